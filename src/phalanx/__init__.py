@@ -1,0 +1,93 @@
+"""phalanx: data-parallel training over MPI, Gloo and NCCL.
+
+::
+
+    import phalanx
+    phalanx.init()                       # mpi / gloo / nccl as launched, else a world of one
+    total = phalanx.allreduce(np.ones(3))  # [size, size, size]
+    phalanx.print("hello")               # "[rank/size] hello"
+
+Importing phalanx imports no torch, jax or mpi4py: backends and framework
+adapters load them when they are used.
+"""
+
+from __future__ import annotations
+
+from ._collectives import (
+    Handle,
+    allgather,
+    allgather_object,
+    allreduce,
+    alltoall,
+    barrier,
+    broadcast,
+    broadcast_object,
+    gather,
+    iallreduce,
+    ibroadcast,
+    reduce,
+    reduce_scatter,
+)
+from ._errors import (
+    BackendUnavailableError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    NotInitializedError,
+    PhalanxError,
+    RankFailedError,
+    WorldBrokenError,
+)
+from ._arrays import UnsupportedArgumentError
+from ._output import RankFilter, print, setup_logging
+from ._settings import settings
+from ._world import (
+    backend,
+    device,
+    init,
+    initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "Handle",
+    "NotInitializedError",
+    "PhalanxError",
+    "RankFailedError",
+    "RankFilter",
+    "UnsupportedArgumentError",
+    "WorldBrokenError",
+    "__version__",
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "alltoall",
+    "backend",
+    "barrier",
+    "broadcast",
+    "broadcast_object",
+    "device",
+    "gather",
+    "iallreduce",
+    "ibroadcast",
+    "init",
+    "initialized",
+    "local_rank",
+    "local_size",
+    "print",
+    "rank",
+    "reduce",
+    "reduce_scatter",
+    "settings",
+    "setup_logging",
+    "shutdown",
+    "size",
+]

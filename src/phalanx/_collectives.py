@@ -1,0 +1,293 @@
+"""The collectives users call: validate, agree across ranks, then hand to the backend.
+
+Semantics (the same on every backend):
+
+* Arguments: NumPy arrays, torch tensors (CPU or CUDA) and Python/NumPy
+  scalars. Results are returned; a mutable buffer is also updated in place
+  (use the return value: read-only arrays and scalars get new ones).
+* ``op``: ``"sum"`` (default), ``"prod"``, ``"min"``, ``"max"``, ``"avg"``.
+  ``avg`` needs a floating dtype; ``bool`` takes ``min`` (and) / ``max`` (or).
+* ``allgather``/``gather`` stack the ranks' buffers on a new first axis;
+  ``gather`` returns ``None`` off the root. ``reduce`` leaves non-root ranks
+  their input. ``reduce_scatter``/``alltoall`` split the first axis into
+  ``size()`` equal chunks.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+from ._arrays import FLOAT_DTYPES, Buffer, UnsupportedArgumentError, as_buffer
+from ._errors import PhalanxError
+from ._settings import settings
+from ._world import World, current
+from .comm._base import OPS, PeerLost, Request, WaitTimeout
+
+__all__ = [
+    "Handle", "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
+    "broadcast_object", "gather", "iallreduce", "ibroadcast", "reduce", "reduce_scatter",
+]
+
+
+def _check_op(call: str, op: Any, buf: Buffer) -> str:
+    if op not in OPS:
+        raise ValueError(f"phalanx.{call}: unknown op {op!r}; use one of {', '.join(map(repr, OPS))}.")
+    if op == "avg" and buf.dtype not in FLOAT_DTYPES:
+        raise UnsupportedArgumentError(
+            f"phalanx.{call}(op='avg') on {buf.dtype} data: an integer average would be truncated. "
+            "Use op='sum' and divide, or cast to a float dtype first."
+        )
+    if buf.dtype == "bool" and op not in ("min", "max"):
+        raise UnsupportedArgumentError(
+            f"phalanx.{call}(op={op!r}) on bool data: use op='min' (logical and) or op='max' "
+            "(logical or), or cast to an integer dtype to count."
+        )
+    return op
+
+
+def _check_root(call: str, root: Any, world: World) -> int:
+    if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < world.size:
+        raise ValueError(
+            f"phalanx.{call}: root={root!r} is not a rank of this world (ranks 0..{world.size - 1})."
+        )
+    return root
+
+
+def _check_chunks(call: str, buf: Buffer, world: World) -> None:
+    if not buf.shape or buf.shape[0] % world.size:
+        raise UnsupportedArgumentError(
+            f"phalanx.{call}: the first axis ({buf.shape[0] if buf.shape else 'a scalar has none'}) "
+            f"must split into {world.size} equal chunks, one per rank; got shape {list(buf.shape)}."
+        )
+
+
+def _run(world: World, call: str, fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args, world.timeout)
+    except WaitTimeout:
+        raise world.timed_out(call) from None
+    except PeerLost as exc:
+        raise world.peer_lost(call, exc) from None
+
+
+def allreduce(x: Any, op: str = "sum") -> Any:
+    """Reduce ``x`` over all ranks with ``op``; every rank gets the result.
+
+    >>> phalanx.allreduce(np.array([rank, 1.0]))   # on 3 ranks: array([3., 3.])
+    >>> phalanx.allreduce(loss, op="avg")          # a float stays a float
+    """
+    world = current("allreduce")
+    buf = as_buffer(x, "allreduce")
+    _check_op("allreduce", op, buf)
+    world.enter("allreduce", buf, op)
+    return buf.finish(_run(world, "allreduce", world.backend.allreduce, buf.data, op, buf.inplace))
+
+
+def broadcast(x: Any, root: int = 0) -> Any:
+    """Every rank gets ``root``'s ``x`` (same shape and dtype on every rank)."""
+    world = current("broadcast")
+    buf = as_buffer(x, "broadcast")
+    _check_root("broadcast", root, world)
+    world.enter("broadcast", buf, None, root)
+    return buf.finish(_run(world, "broadcast", world.backend.broadcast, buf.data, root, buf.inplace))
+
+
+def reduce(x: Any, op: str = "sum", root: int = 0) -> Any:
+    """Reduce ``x`` onto ``root``; other ranks get their own ``x`` back unchanged."""
+    world = current("reduce")
+    buf = as_buffer(x, "reduce")
+    _check_op("reduce", op, buf)
+    _check_root("reduce", root, world)
+    world.enter("reduce", buf, op, root)
+    return buf.finish(_run(world, "reduce", world.backend.reduce, buf.data, op, root, buf.inplace))
+
+
+def allgather(x: Any) -> Any:
+    """Every rank's ``x`` stacked on a new first axis: shape ``(size(), *x.shape)``."""
+    world = current("allgather")
+    buf = as_buffer(x, "allgather")
+    world.enter("allgather", buf)
+    return _run(world, "allgather", world.backend.allgather, buf.data)
+
+
+def gather(x: Any, root: int = 0) -> Any:
+    """Like :func:`allgather` but only ``root`` gets the stack; other ranks get ``None``."""
+    world = current("gather")
+    buf = as_buffer(x, "gather")
+    _check_root("gather", root, world)
+    world.enter("gather", buf, None, root)
+    return _run(world, "gather", world.backend.gather, buf.data, root)
+
+
+def reduce_scatter(x: Any, op: str = "sum") -> Any:
+    """Reduce ``x`` (first axis ``size()*k``) and give rank ``i`` chunk ``i`` (first axis ``k``)."""
+    world = current("reduce_scatter")
+    buf = as_buffer(x, "reduce_scatter")
+    _check_op("reduce_scatter", op, buf)
+    _check_chunks("reduce_scatter", buf, world)
+    world.enter("reduce_scatter", buf, op)
+    return _run(world, "reduce_scatter", world.backend.reduce_scatter, buf.data, op)
+
+
+def alltoall(x: Any) -> Any:
+    """Send chunk ``j`` of ``x``'s first axis to rank ``j``; the result's chunk ``j`` came from rank ``j``."""
+    world = current("alltoall")
+    buf = as_buffer(x, "alltoall")
+    _check_chunks("alltoall", buf, world)
+    world.enter("alltoall", buf)
+    return _run(world, "alltoall", world.backend.alltoall, buf.data)
+
+
+def barrier() -> None:
+    """Wait until every rank has called ``barrier()`` (bounded by the timeout)."""
+    world = current("barrier")
+    world.enter("barrier", None)
+    _run(world, "barrier", world.backend.barrier)
+
+
+class Handle:
+    """A non-blocking collective in flight: ``wait()`` returns the result, ``test()`` polls.
+
+    The call's agreement runs first (non-blocking too); the data phase is
+    posted once it has passed, always in the order the calls were made.
+    """
+
+    __slots__ = ("_world", "_call", "_buf", "_start", "_agreement", "_request", "_result", "_done")
+
+    def __init__(self, world: World, call: str, buf: Buffer, start: Any, agreement: Request | None) -> None:
+        self._world = world
+        self._call = call
+        self._buf = buf
+        self._start = start  # () -> backend Request for the data phase
+        self._agreement = agreement
+        self._request: Request | None = None
+        self._result: Any = None
+        self._done = False
+        if agreement is None:
+            self._request = start()
+        else:
+            world.pending.append(self)
+
+    def post(self, block: bool) -> bool:
+        """Post the data phase once the agreement passed (blocking if asked). True when posted."""
+        if self._request is not None:
+            return True
+        world = self._world
+        assert self._agreement is not None  # internal invariant, not user input
+        while world.pending and world.pending[0] is not self:
+            world.pending[0].post(block=True)  # earlier calls go first, on every rank
+        try:
+            if block:
+                same = self._agreement.wait(world.timeout)
+            elif self._agreement.test():
+                same = self._agreement.wait(world.timeout)
+            else:
+                return False
+        except WaitTimeout:
+            world.pending.clear()
+            raise world.timed_out(self._call) from None
+        world.pending.popleft()
+        if not same:
+            world.explain_mismatch(self._call, self._buf, *self._fingerprint_args())
+        self._request = self._start()
+        return True
+
+    def _fingerprint_args(self) -> tuple[str | None, int]:
+        return self._start.op, self._start.root
+
+    def test(self) -> bool:
+        """True once the result is ready (never blocks, except to report a mismatch)."""
+        if self._done:
+            return True
+        if not self.post(block=False):
+            return False
+        assert self._request is not None
+        return self._request.test()
+
+    def wait(self) -> Any:
+        """Block until done (bounded by the world's timeout) and return the result."""
+        if not self._done:
+            self.post(block=True)
+            assert self._request is not None
+            try:
+                self._result = self._buf.finish(self._request.wait(self._world.timeout))
+            except WaitTimeout:
+                raise self._world.timed_out(self._call) from None
+            except PeerLost as exc:
+                raise self._world.peer_lost(self._call, exc) from None
+            self._done = True
+        return self._result
+
+
+class _Start:
+    """The deferred data phase of a non-blocking call (keeps op/root for error messages)."""
+
+    __slots__ = ("fn", "args", "op", "root")
+
+    def __init__(self, fn: Any, args: tuple[Any, ...], op: str | None, root: int) -> None:
+        self.fn, self.args, self.op, self.root = fn, args, op, root
+
+    def __call__(self) -> Request:
+        return self.fn(*self.args)
+
+
+def iallreduce(x: Any, op: str = "sum") -> Handle:
+    """Start :func:`allreduce`; ``handle.wait()`` returns the result (``x`` is updated in place)."""
+    world = current("iallreduce")
+    buf = as_buffer(x, "iallreduce")
+    _check_op("iallreduce", op, buf)
+    start = _Start(world.backend.iallreduce, (buf.data, op, buf.inplace), op, -1)
+    return _start_handle(world, "iallreduce", buf, start)
+
+
+def ibroadcast(x: Any, root: int = 0) -> Handle:
+    """Start :func:`broadcast`; ``handle.wait()`` returns root's value."""
+    world = current("ibroadcast")
+    buf = as_buffer(x, "ibroadcast")
+    _check_root("ibroadcast", root, world)
+    start = _Start(world.backend.ibroadcast, (buf.data, root, buf.inplace), None, root)
+    return _start_handle(world, "ibroadcast", buf, start)
+
+
+def _start_handle(world: World, call: str, buf: Buffer, start: _Start) -> Handle:
+    # Like World.enter, but the agreement is posted without waiting for it.
+    if world.broken is not None or not world.check:
+        world.enter(call, buf, start.op, start.root)  # raises if broken; no agreement needed
+        return Handle(world, call, buf, start, None)
+    if world.pending:
+        world.flush(call)
+    world.calls += 1
+    agreement = world.backend.iagree(world.signature(call, buf, start.op, start.root))
+    return Handle(world, call, buf, start, agreement)
+
+
+# -- object collectives (opt-in: they unpickle what peers send) ---------------------------------
+
+def _require_pickle(call: str, allow_pickle: bool) -> None:
+    if not (allow_pickle or settings.allow_pickle):
+        raise PhalanxError(
+            f"phalanx.{call} unpickles data sent by other ranks, which can run arbitrary code if a "
+            "peer is not trusted. Opt in with `allow_pickle=True` (or PHALANX_ALLOW_PICKLE=1); for "
+            "arrays and scalars use the array collectives, which never unpickle."
+        )
+
+
+def broadcast_object(obj: Any, root: int = 0, *, allow_pickle: bool = False) -> Any:
+    """Root's picklable ``obj`` on every rank. Opt-in: unpickles peer data."""
+    _require_pickle("broadcast_object", allow_pickle)
+    world = current("broadcast_object")
+    _check_root("broadcast_object", root, world)
+    world.enter("broadcast_object", None, None, root)
+    payload = pickle.dumps(obj) if world.rank == root else None
+    data = _run(world, "broadcast_object", world.backend.broadcast_bytes, payload, root)
+    return obj if world.rank == root else pickle.loads(data)  # noqa: S301 - opt-in, documented
+
+
+def allgather_object(obj: Any, *, allow_pickle: bool = False) -> list[Any]:
+    """Every rank's picklable ``obj``, as a list in rank order. Opt-in: unpickles peer data."""
+    _require_pickle("allgather_object", allow_pickle)
+    world = current("allgather_object")
+    world.enter("allgather_object", None)
+    parts = _run(world, "allgather_object", world.backend.allgather_bytes, pickle.dumps(obj))
+    return [pickle.loads(p) for p in parts]  # noqa: S301 - opt-in, documented

@@ -1,0 +1,75 @@
+"""The phalanx exception hierarchy.
+
+Every error phalanx raises for a user mistake or a distributed failure is a
+:class:`PhalanxError`. Each also subclasses the closest built-in, so code that
+already catches ``ValueError``/``TimeoutError``/``ImportError`` keeps working.
+Messages name the call, what was received and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "NotInitializedError",
+    "PhalanxError",
+    "RankFailedError",
+    "WorldBrokenError",
+]
+
+
+class PhalanxError(Exception):
+    """Base class of every phalanx exception."""
+
+
+class NotInitializedError(PhalanxError, RuntimeError):
+    """A phalanx function was called before :func:`phalanx.init`."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"phalanx.{what}() was called before phalanx.init(). "
+            "Call `phalanx.init()` once at the start of your script (it is a no-op "
+            "when already initialized)."
+        )
+
+
+class BackendUnavailableError(PhalanxError, ImportError):
+    """A backend's dependency is missing or not usable here."""
+
+
+class CollectiveMismatchError(PhalanxError, ValueError):
+    """Ranks called a collective with incompatible arguments.
+
+    Raised on *every* rank of the call, before any data is exchanged, so no
+    buffer is corrupted and the world remains usable.
+    """
+
+
+class CollectiveTimeoutError(PhalanxError, TimeoutError):
+    """A collective did not complete within the timeout.
+
+    ``missing_ranks`` lists the ranks that never reached the call (as far as
+    the waiting ranks could tell); ``elsewhere`` maps ranks that were waiting
+    in a *different* call to a description of that call. After this error the
+    world cannot be used any more (MPI cannot cancel a collective in flight).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing_ranks: list[int] | None = None,
+        elsewhere: dict[int, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.missing_ranks = list(missing_ranks or [])
+        self.elsewhere = dict(elsewhere or {})
+
+
+class RankFailedError(PhalanxError, RuntimeError):
+    """A peer rank died or closed its connection during a collective."""
+
+
+class WorldBrokenError(PhalanxError, RuntimeError):
+    """The world was left unusable by an earlier failure (a timeout or a dead rank)."""

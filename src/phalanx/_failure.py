@@ -1,0 +1,82 @@
+"""What happens when a rank fails: a record for the launcher, and ending the job.
+
+An uncaught exception on one MPI rank would otherwise deadlock the job
+(the failing rank waits in ``MPI_Finalize`` while its peers wait for it), so
+after :func:`phalanx.init` on MPI an uncaught exception prints the traceback
+and calls ``MPI_Abort``, as ``python -m mpi4py`` does. Under ``phalanx run``
+every failing rank also leaves a small JSON record in the job directory, so
+the launcher can name the *first* failing rank and show its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from types import TracebackType
+from typing import Any
+
+__all__ = ["install_abort_hook", "record_failure"]
+
+JOB_DIR_ENV = "PHALANX_JOB_DIR"
+
+
+def _rank() -> int:
+    for name in ("PHALANX_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(name)
+        if value and value.isdigit():
+            return int(value)
+    from . import _world
+
+    world = _world._WORLD
+    return world.rank if world is not None else 0
+
+
+def record_failure(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None,
+                   rank: int | None = None) -> None:
+    """Write ``failure-rank<r>.json`` into ``$PHALANX_JOB_DIR`` (atomically), if set."""
+    job_dir = os.environ.get(JOB_DIR_ENV)
+    if not job_dir:
+        return
+    rank = _rank() if rank is None else rank
+    record = {
+        "rank": rank,
+        "time": time.time(),
+        "type": exc_type.__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
+    }
+    path = os.path.join(job_dir, f"failure-rank{rank}.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the report is a courtesy; never mask the real failure
+
+
+def install_abort_hook(backend: Any) -> None:
+    """On an uncaught exception: print it, record it, then abort the whole MPI job."""
+    if backend.size <= 1 or getattr(sys.excepthook, "_phalanx", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        try:
+            record_failure(exc_type, exc, tb, backend.rank)
+            previous(exc_type, exc, tb)
+            sys.stderr.write(
+                f"phalanx: rank {backend.rank}/{backend.size} raised {exc_type.__name__}; "
+                "aborting the MPI job so the other ranks do not wait forever.\n"
+            )
+            sys.stderr.flush()
+            sys.stdout.flush()
+        finally:
+            code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
+            backend.abort(code)
+
+    hook._phalanx = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

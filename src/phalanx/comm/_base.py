@@ -1,0 +1,88 @@
+"""The Backend protocol: the one small interface every transport implements.
+
+Backends move bytes; they do not validate. The front end
+(:mod:`phalanx._collectives`) has already checked the arguments (op, root,
+dtype, contiguity) and, on every rank, agreed on a fingerprint of the call
+through :meth:`Backend.agree` before it calls a data method. So a backend may
+use its fastest blocking primitive for the data phase.
+
+Arrays are NumPy arrays or torch tensors (already detached and contiguous).
+Data methods work in place when ``inplace`` is true and always return the
+result, which the front end hands back to the user.
+
+Two internal exceptions cross this boundary: :class:`WaitTimeout` (a wait
+passed its deadline; the front end turns it into a diagnosed
+``CollectiveTimeoutError``) and :class:`PeerLost` (the transport reported a
+dead peer; it becomes ``RankFailedError``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["OPS", "Backend", "PeerLost", "Request", "WaitTimeout"]
+
+# Reduction ops in a fixed order: the index is the op's code in fingerprints.
+OPS = ("sum", "prod", "min", "max", "avg")
+
+
+class WaitTimeout(Exception):
+    """A blocking wait passed its deadline (internal; see module docstring)."""
+
+
+class PeerLost(Exception):
+    """The transport reported a dead or disconnected peer (internal)."""
+
+
+@runtime_checkable
+class Request(Protocol):
+    """A non-blocking operation in flight."""
+
+    def test(self) -> bool:
+        """Make progress; return True once the operation has completed."""
+
+    def wait(self, timeout: float) -> Any:
+        """Block until complete (raise :class:`WaitTimeout` after ``timeout`` s); return the result."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a transport provides. ``name`` is one of local, mpi, gloo, nccl."""
+
+    name: str
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+
+    # -- agreement (the per-call check) and diagnostics --------------------
+    def agree(self, signature: int, timeout: float) -> bool:
+        """True when every rank passed the same ``signature`` (62-bit int)."""
+
+    def iagree(self, signature: int) -> Request:
+        """Non-blocking :meth:`agree`; the request's result is the bool."""
+
+    def allgather_bytes(self, payload: bytes, timeout: float) -> list[bytes]:
+        """Every rank's ``payload``, in rank order (used for diagnostics and objects)."""
+
+    def broadcast_bytes(self, payload: bytes | None, root: int, timeout: float) -> bytes:
+        """Root's ``payload`` on every rank."""
+
+    def diagnose(self, call: str, call_index: int, grace: float) -> tuple[list[int], dict[int, str]]:
+        """After a timeout: (ranks that never reported, {rank: call it is stuck in})."""
+
+    # -- data -------------------------------------------------------------
+    def allreduce(self, x: Any, op: str, inplace: bool, timeout: float) -> Any: ...
+    def iallreduce(self, x: Any, op: str, inplace: bool) -> Request: ...
+    def broadcast(self, x: Any, root: int, inplace: bool, timeout: float) -> Any: ...
+    def ibroadcast(self, x: Any, root: int, inplace: bool) -> Request: ...
+    def reduce(self, x: Any, op: str, root: int, inplace: bool, timeout: float) -> Any: ...
+    def allgather(self, x: Any, timeout: float) -> Any: ...
+    def gather(self, x: Any, root: int, timeout: float) -> Any: ...
+    def reduce_scatter(self, x: Any, op: str, timeout: float) -> Any: ...
+    def alltoall(self, x: Any, timeout: float) -> Any: ...
+    def barrier(self, timeout: float) -> None: ...
+
+    # -- lifecycle ----------------------------------------------------------
+    def shutdown(self) -> None: ...
+    def abort(self, code: int) -> None: ...

@@ -1,0 +1,29 @@
+"""Which backend a process was started for, read from its environment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+__all__ = ["BACKENDS", "detect_backend"]
+
+BACKENDS = ("local", "mpi", "gloo", "nccl")
+
+# Variables an MPI launcher sets in every rank it starts.
+_MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS", "PMI_RANK",
+             "MV2_COMM_WORLD_SIZE", "I_MPI_HYDRA_TOPOLIB")
+
+
+def detect_backend(env: Mapping[str, str] | None = None) -> str:
+    """``phalanx run`` → its ``--backend``; mpiexec/srun → mpi; torchrun → gloo/nccl; alone → local."""
+    env = os.environ if env is None else env
+    chosen = env.get("PHALANX_BACKEND", "").strip()
+    if chosen:
+        return chosen
+    if any(name in env for name in _MPI_VARS):
+        return "mpi"
+    if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in env:
+        return "mpi"
+    if "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        return "torch"  # gloo or nccl: decided once torch is imported
+    return "local"

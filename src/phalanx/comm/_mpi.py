@@ -1,0 +1,386 @@
+"""The ``mpi`` backend: mpi4py over any MPI (MPICH, Open MPI, Intel MPI, ...).
+
+Design notes (why, not what):
+
+* phalanx works on its own duplicate of ``COMM_WORLD``, so a user's own MPI
+  traffic can never be matched with phalanx's collectives.
+* The per-call agreement is a non-blocking ``MAX`` allreduce of
+  ``[sig, -sig]`` (two int64s): equal signatures everywhere iff the result is
+  ``[sig, -sig]`` on every rank. It is polled, so it doubles as the timeout
+  for "has every rank reached this call". Once it passed, every rank is in the
+  same call with the same buffer, so the data phase uses MPI's blocking
+  primitive, which is as fast as raw mpi4py.
+* MPI has no bfloat16 and float16 reductions are not portable, so half
+  precision is reduced in float32 (exact for min/max, and one rounding at the
+  end for sum/prod/avg) and moved as raw 16-bit words.
+* CUDA tensors go straight to MPI when it is GPU-aware, otherwise through a
+  host copy (``gpu_aware_mpi=False`` forces the copy).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._errors import BackendUnavailableError
+from ._wait import poll
+
+__all__ = ["MPIBackend", "mpi_available"]
+
+_HALF = ("float16", "bfloat16")
+_DIAG_TAG = 31_337
+
+
+def mpi_available() -> bool:
+    """True when mpi4py imports (without initializing MPI)."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _import_mpi() -> Any:
+    try:
+        import mpi4py
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "phalanx backend 'mpi' needs mpi4py. Install `pip install 'phalanx[mpich]'` "
+            "(mpi4py with MPICH from PyPI), or `pip install 'phalanx[mpi]'` to build mpi4py "
+            "against your cluster's own MPI (load its module first)."
+        ) from exc
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError) as exc:
+        raise BackendUnavailableError(
+            f"phalanx backend 'mpi': mpi4py {mpi4py.__version__} is installed but its MPI library "
+            f"could not be loaded ({exc}). Install an MPI (`pip install mpich`) or load your "
+            "cluster's MPI module."
+        ) from exc
+    return MPI
+
+
+def _torch() -> Any:
+    return sys.modules["torch"]
+
+
+def _is_torch(x: Any) -> bool:
+    return not isinstance(x, np.ndarray)
+
+
+def detect_gpu_aware() -> bool:
+    """Ask the MPI library whether it accepts CUDA device memory."""
+    lib = ctypes.CDLL(None)
+    query = getattr(lib, "MPIX_Query_cuda_support", None)  # Open MPI
+    if query is not None:
+        query.restype = ctypes.c_int
+        return bool(query())
+    gpu_query = getattr(lib, "MPIX_GPU_query_support", None)  # MPICH >= 4
+    if gpu_query is not None:
+        ok = ctypes.c_int(0)
+        if gpu_query(ctypes.c_int(0), ctypes.byref(ok)) == 0:  # MPIX_GPU_SUPPORT_CUDA == 0
+            return bool(ok.value)
+    return False
+
+
+class _Request:
+    """An MPI request plus what turns its buffers into the user's result."""
+
+    __slots__ = ("_req", "_finish", "_done", "_result")
+
+    def __init__(self, req: Any, finish: Callable[[], Any]) -> None:
+        self._req = req
+        self._finish = finish
+        self._done = False
+        self._result: Any = None
+
+    def test(self) -> bool:
+        if not self._done and self._req.Test():
+            self._complete()
+        return self._done
+
+    def wait(self, timeout: float) -> Any:
+        if not self._done:
+            poll(self._req.Test, timeout, patient=False)
+            self._complete()
+        return self._result
+
+    def _complete(self) -> None:
+        self._result = self._finish()
+        self._done = True
+        self._finish = None  # type: ignore[assignment]  # drop buffer references
+
+
+class MPIBackend:
+    """Backend over mpi4py; see the module docstring."""
+
+    name = "mpi"
+
+    def __init__(self, *, gpu_aware_mpi: bool | None = None) -> None:
+        MPI = _import_mpi()
+        if not MPI.Is_initialized():
+            MPI.Init_thread(MPI.THREAD_MULTIPLE)
+        self.MPI = MPI
+        self.comm = MPI.COMM_WORLD.Dup()
+        self._diag = MPI.COMM_WORLD.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+        node.Free()
+        self.gpu_aware = detect_gpu_aware() if gpu_aware_mpi is None else bool(gpu_aware_mpi)
+        self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+        self._bool_ops = {"min": MPI.LAND, "max": MPI.LOR}
+        self._chk = np.zeros(2, np.int64)
+        self._chk_out = np.zeros(2, np.int64)
+
+    def __repr__(self) -> str:
+        return f"<phalanx mpi backend rank {self.rank}/{self.size}>"
+
+    # -- buffers ------------------------------------------------------------
+    def _mpi_op(self, x: Any, op: str) -> Any:
+        if x.dtype == np.bool_ or (_is_torch(x) and str(x.dtype) == "torch.bool"):
+            return self._bool_ops[op]
+        return self._ops[op]
+
+    def _as_mpi(self, x: Any) -> Any:
+        """A zero-copy MPI-ready view of a NumPy array or CPU/GPU-aware tensor (bit view for halves)."""
+        if isinstance(x, np.ndarray):
+            return x
+        torch = _torch()
+        if x.dtype == torch.bfloat16:
+            x = x.view(torch.int16)
+        if x.is_cuda:
+            torch.cuda.current_stream(x.device).synchronize()
+            return x
+        return x.numpy()
+
+    def _staged(self, x: Any) -> bool:
+        return _is_torch(x) and x.is_cuda and not self.gpu_aware
+
+    def _reduction_work(self, x: Any, inplace: bool) -> tuple[Any, Callable[[Any], Any]]:
+        """(buffer MPI reduces in place, finish(buffer) -> user result).
+
+        The buffer is ``x``'s own memory where possible; half precision is
+        widened to float32 and CUDA memory staged on the host when MPI is not
+        GPU-aware. Also a valid send buffer (finish is then not called).
+        """
+        if isinstance(x, np.ndarray):
+            if x.dtype == np.float16:
+                if not inplace:
+                    return x.astype(np.float32), lambda w: w.astype(np.float16)
+
+                def narrow(w: Any) -> Any:
+                    np.copyto(x, w, casting="unsafe")
+                    return x
+
+                return x.astype(np.float32), narrow
+            return (x if inplace else x.copy()), _identity
+        torch = _torch()
+        half = x.dtype in (torch.float16, torch.bfloat16)
+        if not half and not x.is_cuda:
+            return x.numpy(), lambda w: x
+        if not half and self.gpu_aware:  # device memory straight to a GPU-aware MPI
+            torch.cuda.current_stream(x.device).synchronize()
+            return x, _identity
+        host = (x.float() if half else x).cpu().numpy()
+
+        def write_back(w: Any) -> Any:
+            x.copy_(torch.from_numpy(w))
+            return x
+
+        return host, write_back
+
+    def _new_like(self, x: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:
+        """(user-typed output of ``shape`` like ``x``, its MPI view)."""
+        if isinstance(x, np.ndarray):
+            out = np.empty(shape, x.dtype)
+            return out, out
+        torch = _torch()
+        device = "cpu" if self._staged(x) else x.device
+        out = torch.empty(shape, dtype=x.dtype, device=device)
+        return out, self._as_mpi(out)
+
+    def _host_in(self, x: Any) -> Any:
+        """Staged input: a host copy of a CUDA tensor when MPI is not GPU-aware."""
+        return x.cpu() if self._staged(x) else x
+
+    def _device_out(self, like: Any, out: Any) -> Any:
+        return out.to(like.device) if _is_torch(like) and like.is_cuda and not out.is_cuda else out
+
+    # -- agreement ------------------------------------------------------------
+    def agree(self, signature: int, timeout: float) -> bool:
+        chk, out = self._chk, self._chk_out
+        chk[0] = signature
+        chk[1] = -signature
+        req = self.comm.Iallreduce(chk, out, self.MPI.MAX)
+        poll(req.Test, timeout)
+        return bool(out[0] == signature and out[1] == -signature)
+
+    def iagree(self, signature: int) -> _Request:
+        chk = np.array([signature, -signature], np.int64)
+        out = np.empty(2, np.int64)
+        req = self.comm.Iallreduce(chk, out, self.MPI.MAX)
+        return _Request(req, lambda: bool(out[0] == chk[0] and out[1] == chk[1]))
+
+    def allgather_bytes(self, payload: bytes, timeout: float) -> list[bytes]:
+        sizes = np.empty(self.size, np.int64)
+        poll(self.comm.Iallgather(np.array([len(payload)], np.int64), sizes).Test, timeout)
+        recv = np.empty(int(sizes.sum()), np.uint8)
+        send = np.frombuffer(payload, np.uint8)
+        poll(self.comm.Iallgatherv(send, (recv, sizes)).Test, timeout)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        return [recv[offsets[i]:offsets[i + 1]].tobytes() for i in range(self.size)]
+
+    def broadcast_bytes(self, payload: bytes | None, root: int, timeout: float) -> bytes:
+        size = np.array([len(payload) if self.rank == root and payload is not None else 0], np.int64)
+        poll(self.comm.Ibcast(size, root).Test, timeout)
+        buf = np.frombuffer(payload, np.uint8).copy() if self.rank == root else np.empty(int(size[0]), np.uint8)
+        poll(self.comm.Ibcast(buf, root).Test, timeout)
+        return buf.tobytes()
+
+    def diagnose(self, call: str, call_index: int, grace: float) -> tuple[list[int], dict[int, str]]:
+        """Tell every peer where this rank is stuck; listen for their reports for ``grace`` s."""
+        me = json.dumps({"call": call, "index": call_index}).encode()
+        sends = [self._diag.Isend(me, dest=r, tag=_DIAG_TAG) for r in range(self.size) if r != self.rank]
+        reports: dict[int, dict[str, Any]] = {}
+        status = self.MPI.Status()
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and len(reports) < self.size - 1:
+            if self._diag.Iprobe(source=self.MPI.ANY_SOURCE, tag=_DIAG_TAG, status=status):
+                src = status.Get_source()
+                buf = bytearray(status.Get_count(self.MPI.BYTE))
+                self._diag.Recv(buf, source=src, tag=_DIAG_TAG)
+                reports[src] = json.loads(bytes(buf))
+            else:
+                time.sleep(0.005)
+        self._pending_diag = sends  # keep the send buffers alive; the world is unusable now anyway
+        missing = [r for r in range(self.size) if r != self.rank and r not in reports]
+        elsewhere = {
+            r: f"{rep['call']} (call #{rep['index']})"
+            for r, rep in reports.items()
+            if rep["call"] != call or rep["index"] != call_index
+        }
+        return missing, elsewhere
+
+    # -- data -----------------------------------------------------------------
+    def allreduce(self, x: Any, op: str, inplace: bool, timeout: float) -> Any:
+        work, finish = self._reduction_work(x, inplace)
+        self.comm.Allreduce(self.MPI.IN_PLACE, work, self._mpi_op(work, op))
+        if op == "avg":
+            work /= self.size
+        return finish(work)
+
+    def iallreduce(self, x: Any, op: str, inplace: bool) -> _Request:
+        work, finish = self._reduction_work(x, inplace)
+        req = self.comm.Iallreduce(self.MPI.IN_PLACE, work, self._mpi_op(work, op))
+
+        def complete() -> Any:
+            if op == "avg":
+                work.__itruediv__(self.size)
+            return finish(work)
+
+        return _Request(req, complete)
+
+    def _bcast_buffer(self, x: Any, inplace: bool) -> tuple[Any, Any]:
+        """(user-typed result, its MPI view) for a broadcast into ``x``."""
+        if isinstance(x, np.ndarray) and not inplace:
+            x = x.copy()
+        if self._staged(x):
+            host = x.cpu()
+            return host, self._as_mpi(host)
+        return x, self._as_mpi(x)
+
+    def broadcast(self, x: Any, root: int, inplace: bool, timeout: float) -> Any:
+        out, view = self._bcast_buffer(x, inplace)
+        self.comm.Bcast(view, root)
+        return self._copy_back(x, out)
+
+    def ibroadcast(self, x: Any, root: int, inplace: bool) -> _Request:
+        out, view = self._bcast_buffer(x, inplace)
+        req = self.comm.Ibcast(view, root)
+        return _Request(req, lambda: self._copy_back(x, out))
+
+    def _copy_back(self, x: Any, out: Any) -> Any:
+        if out is not x and _is_torch(x) and x.is_cuda:
+            x.copy_(out)
+            return x
+        return out
+
+    def reduce(self, x: Any, op: str, root: int, inplace: bool, timeout: float) -> Any:
+        if self.rank != root:
+            work = self._reduction_work(x, inplace=True)[0]  # a send buffer; x is not written
+            self.comm.Reduce(work, None, self._mpi_op(work, op), root)
+            return x
+        work, finish = self._reduction_work(x, inplace)
+        self.comm.Reduce(self.MPI.IN_PLACE, work, self._mpi_op(work, op), root)
+        if op == "avg":
+            work /= self.size
+        return finish(work)
+
+    def _as_send(self, x: Any) -> Any:
+        if isinstance(x, np.ndarray):
+            return x
+        return self._as_mpi(self._host_in(x))
+
+    def allgather(self, x: Any, timeout: float) -> Any:
+        out, view = self._new_like(x, (self.size, *x.shape))
+        self.comm.Allgather(self._as_send(x), view)
+        return self._device_out(x, out)
+
+    def gather(self, x: Any, root: int, timeout: float) -> Any:
+        if self.rank != root:
+            self.comm.Gather(self._as_send(x), None, root)
+            return None
+        out, view = self._new_like(x, (self.size, *x.shape))
+        self.comm.Gather(self._as_send(x), view, root)
+        return self._device_out(x, out)
+
+    def reduce_scatter(self, x: Any, op: str, timeout: float) -> Any:
+        shape = (x.shape[0] // self.size, *x.shape[1:])
+        work = self._reduction_work(x, inplace=True)[0]  # a send buffer; x is not written
+        recv = np.empty(shape, work.dtype) if isinstance(work, np.ndarray) else work.new_empty(shape)
+        self.comm.Reduce_scatter_block(work, recv, self._mpi_op(work, op))
+        if op == "avg":
+            recv /= self.size
+        return _to_user(x, recv)
+
+    def alltoall(self, x: Any, timeout: float) -> Any:
+        out, view = self._new_like(x, tuple(x.shape))
+        self.comm.Alltoall(self._as_send(x), view)
+        return self._device_out(x, out)
+
+    def barrier(self, timeout: float) -> None:
+        poll(self.comm.Ibarrier().Test, timeout)
+
+    # -- lifecycle --------------------------------------------------------------
+    def shutdown(self) -> None:
+        for comm in (self.comm, self._diag):
+            try:
+                comm.Free()
+            except Exception:  # noqa: BLE001 - freeing after a failure may itself fail
+                pass
+
+    def abort(self, code: int) -> None:
+        self.MPI.COMM_WORLD.Abort(code)
+
+
+def _identity(w: Any) -> Any:
+    return w
+
+
+def _to_user(like: Any, result: Any) -> Any:
+    """Cast/move a reduction result (NumPy or tensor, maybe float32) to ``like``'s dtype and device."""
+    if isinstance(like, np.ndarray):
+        return result.astype(like.dtype, copy=False)
+    torch = _torch()
+    if isinstance(result, np.ndarray):
+        result = torch.from_numpy(result)
+    return result.to(device=like.device, dtype=like.dtype)
+

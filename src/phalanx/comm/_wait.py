@@ -1,0 +1,50 @@
+"""Polling a request until it completes or a deadline passes.
+
+MPI cannot time out a blocking call, so every wait phalanx makes is a poll of
+a non-blocking request. Polling spins first (a short collective finishes in
+microseconds and must not pay for a sleep), then yields the core, then, once a
+wait has lasted long enough to be a peer that is busy elsewhere, sleeps a
+little between polls so a waiting rank does not burn a core for minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from ._base import WaitTimeout
+
+__all__ = ["poll"]
+
+_SPIN_S = 0.002     # pure spinning for the first 2 ms
+_YIELD_S = 0.05     # then sched_yield between polls until 50 ms
+_SLEEP_S = 0.0002   # then sleep 200 us between polls
+
+
+def poll(test: Callable[[], bool], timeout: float, *, patient: bool = True) -> None:
+    """Call ``test()`` until it returns True; raise WaitTimeout after ``timeout`` seconds.
+
+    ``patient=False`` never sleeps (for data phases whose progress happens
+    inside ``test``); it still yields the core so oversubscribed ranks advance.
+    """
+    if test():
+        return
+    monotonic = time.monotonic
+    start = monotonic()
+    deadline = start + timeout
+    spins = 0
+    while not test():
+        spins += 1
+        if spins & 63:
+            continue
+        now = monotonic()
+        if now > deadline:
+            raise WaitTimeout(timeout)
+        waited = now - start
+        if waited < _SPIN_S:
+            continue
+        if waited < _YIELD_S or not patient:
+            os.sched_yield()
+        else:
+            time.sleep(_SLEEP_S)
