@@ -33,6 +33,8 @@ DTYPE_CODES = {
     )
 }
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+# dtype object -> name: ``dtype.name`` builds a new string on every access (microseconds).
+_NUMPY_NAMES = {np.dtype(name): name for name in DTYPE_CODES if name != "bfloat16"}
 
 
 class Buffer:
@@ -76,16 +78,17 @@ def _torch_dtype_name(t: Any) -> str:
 
 def as_buffer(x: Any, call: str) -> Buffer:
     """Normalize ``x`` for collective ``call``; raise a clear error if it cannot be sent."""
-    if isinstance(x, np.ndarray):
-        name = x.dtype.name
-        if name not in DTYPE_CODES:
-            raise _bad_dtype(call, name)
-        if not x.flags.c_contiguous:
+    if type(x) is np.ndarray or isinstance(x, np.ndarray):
+        name = _NUMPY_NAMES.get(x.dtype)
+        if name is None:
+            raise _bad_dtype(call, str(x.dtype))
+        flags = x.flags
+        if not flags.c_contiguous:
             raise UnsupportedArgumentError(
                 f"phalanx.{call}: the array is not C-contiguous (strides {x.strides}). "
                 "Pass `np.ascontiguousarray(x)` instead."
             )
-        return Buffer(x, name, x.shape, x.flags.writeable, False)
+        return Buffer(x, name, x.shape, flags.writeable, False)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor):
         name = _torch_dtype_name(x)

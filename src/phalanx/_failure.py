@@ -10,6 +10,7 @@ the launcher can name the *first* failing rank and show its traceback.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -58,11 +59,26 @@ def record_failure(exc_type: type[BaseException], exc: BaseException, tb: Traceb
         pass  # the report is a courtesy; never mask the real failure
 
 
-def install_abort_hook(backend: Any) -> None:
-    """On an uncaught exception: print it, record it, then abort the whole MPI job."""
+def install_abort_hook(world: Any) -> None:
+    """On an uncaught exception: print it, record it, then abort the whole MPI job.
+
+    Also at exit: a world broken by a timeout has collectives in flight that
+    can never complete, and ``MPI_Finalize`` could wait for them forever, so
+    the job is aborted instead.
+    """
+    backend = world.backend
     if backend.size <= 1 or getattr(sys.excepthook, "_phalanx", False):
         return
     previous = sys.excepthook
+
+    def at_exit() -> None:
+        if world.broken is not None:
+            sys.stderr.write(f"phalanx: rank {backend.rank} ends the MPI job: the world was left "
+                             f"unusable ({world.broken}), so MPI cannot finalize cleanly.\n")
+            sys.stderr.flush()
+            backend.abort(1)
+
+    atexit.register(at_exit)
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         try:

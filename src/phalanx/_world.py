@@ -244,7 +244,7 @@ def init(backend: str = "auto", *, devices: list[Any] | None = None, timeout: fl
     if impl.name == "mpi":
         from ._failure import install_abort_hook
 
-        install_abort_hook(impl)
+        install_abort_hook(_WORLD)
     return impl
 
 

@@ -33,7 +33,8 @@ from ._wait import poll
 
 __all__ = ["MPIBackend", "mpi_available"]
 
-_HALF = ("float16", "bfloat16")
+_F16 = np.dtype(np.float16)
+_BOOL = np.dtype(np.bool_)
 _DIAG_TAG = 31_337
 
 
@@ -145,7 +146,8 @@ class MPIBackend:
 
     # -- buffers ------------------------------------------------------------
     def _mpi_op(self, x: Any, op: str) -> Any:
-        if x.dtype == np.bool_ or (_is_torch(x) and str(x.dtype) == "torch.bool"):
+        dtype = x.dtype
+        if dtype is _BOOL or (dtype == _BOOL if isinstance(x, np.ndarray) else str(dtype) == "torch.bool"):
             return self._bool_ops[op]
         return self._ops[op]
 
@@ -172,7 +174,7 @@ class MPIBackend:
         GPU-aware. Also a valid send buffer (finish is then not called).
         """
         if isinstance(x, np.ndarray):
-            if x.dtype == np.float16:
+            if x.dtype == _F16:
                 if not inplace:
                     return x.astype(np.float32), lambda w: w.astype(np.float16)
 

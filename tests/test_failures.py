@@ -1,0 +1,78 @@
+"""Failures end in a clear phalanx error on every rank, within a bounded time.
+
+Worlds here use a small collective timeout (``op_timeout``) and a hard outer
+timeout, so a hang fails the test instead of the CI job.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import worlds_failures as bodies
+from conftest import ALL_WORLDS, MULTI_WORLDS, world_params
+
+from phalanx.testing import WorldFailed, run_world
+
+OP_TIMEOUT = 4.0
+
+
+@pytest.mark.parametrize("backend,n", world_params(MULTI_WORLDS))
+def test_mismatched_calls_raise_on_every_rank(backend: str, n: int) -> None:
+    results = run_world(bodies.mismatches, n, backend, op_timeout=OP_TIMEOUT)
+    for r, messages in enumerate(results):
+        assert set(messages) == set(bodies.MISMATCHES)
+        shape = messages["shape"]
+        assert "phalanx.allreduce" in shape and "float64[3]" in shape and "float64[4]" in shape
+        assert "rank 0:" in shape and "rank 1:" in shape and "nothing was sent" in shape
+        assert "float64[2, 3]" in messages["same_numel_other_shape"]
+        assert "float32[3]" in messages["dtype"] and "int32[3]" in messages["dtype"]
+        assert "op='sum'" in messages["op"] and "op='max'" in messages["op"]
+        assert "root=0" in messages["root"] and "root=1" in messages["root"]
+        assert "broadcast(" in messages["call"] and "allreduce(" in messages["call"]
+        assert "barrier(" in messages["skip"] and "same order" in messages["skip"]
+        ranks_view = {k: v.split("\n")[1:] for k, v in messages.items()}
+        assert ranks_view == {k: v.split("\n")[1:] for k, v in results[0].items()}, "all ranks see the same"
+
+
+@pytest.mark.parametrize("backend,n", world_params([("mpi", 2), ("gloo", 2)]))
+def test_debug_mode_catches_calls_out_of_order(backend: str, n: int) -> None:
+    results = run_world(bodies.call_site_mismatch, n, backend, env={"PHALANX_DEBUG": "1"})
+    assert all("site differs" in msg and "worlds_failures.py:" in msg for msg in results), results[0]
+
+
+@pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
+def test_bad_input_fails_before_anything_is_sent(backend: str, n: int) -> None:
+    assert run_world(bodies.bad_input, n, backend, op_timeout=OP_TIMEOUT) == list(range(n))
+
+
+@pytest.mark.parametrize("backend,n", world_params(MULTI_WORLDS))
+def test_a_rank_that_never_arrives_is_a_timeout_naming_it(backend: str, n: int) -> None:
+    start = time.monotonic()
+    with pytest.raises(WorldFailed) as failed:
+        run_world(bodies.sleeper_skips_allreduce, n, backend, op_timeout=OP_TIMEOUT, timeout=50)
+    assert time.monotonic() - start < OP_TIMEOUT + 25
+    for r in range(n - 1):
+        out = failed.value.outputs[r]
+        assert "CollectiveTimeoutError" in out, out
+        assert "phalanx.allreduce" in out and f"never reached a phalanx call: [{n - 1}]" in out, out
+
+
+@pytest.mark.parametrize("backend,n", world_params(MULTI_WORLDS))
+def test_a_rank_that_raises_ends_the_job_with_its_traceback(backend: str, n: int) -> None:
+    start = time.monotonic()
+    with pytest.raises(WorldFailed) as failed:
+        run_world(bodies.raises_on_rank_1, n, backend, op_timeout=30, timeout=50)
+    assert time.monotonic() - start < 25
+    report = str(failed.value)
+    assert "rank 1" in report and "boom on rank 1" in report and "ValueError" in report
+
+
+@pytest.mark.parametrize("backend,n", world_params(MULTI_WORLDS))
+def test_a_killed_rank_ends_the_job(backend: str, n: int) -> None:
+    start = time.monotonic()
+    with pytest.raises(WorldFailed) as failed:
+        run_world(bodies.killed_rank_1, n, backend, op_timeout=30, timeout=50)
+    assert time.monotonic() - start < 25
+    assert failed.value.returncode != 0
+    assert "rank 1" in str(failed.value)
