@@ -7,9 +7,9 @@ world costs seconds; a check costs microseconds).
 from __future__ import annotations
 
 import pytest
+
 import worlds_collectives as bodies
 from conftest import ALL_WORLDS, world_params
-
 from phalanx.testing import run_world
 
 

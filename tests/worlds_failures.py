@@ -71,10 +71,11 @@ def bad_input() -> int:
             (lambda: phalanx.allreduce(torch.ones(3, 4).t()), TypeError, "contiguous"),
             (lambda: phalanx.allreduce([1.0, 2.0]), TypeError, "list"),
             (lambda: phalanx.allreduce("3"), TypeError, "str"),
-            (lambda: phalanx.reduce_scatter(np.ones(n * 2 + 1)), TypeError, "equal chunks"),
             (lambda: phalanx.alltoall(np.float64(1.0)), TypeError, "equal chunks"),
             (lambda: phalanx.allreduce(2**70), TypeError, "int64"),
         ]
+        if n > 1:  # any length splits into one chunk
+            bad.append((lambda: phalanx.reduce_scatter(np.ones(n * 2 + 1)), TypeError, "equal chunks"))
         for call, kind, fragment in bad:
             try:
                 call()

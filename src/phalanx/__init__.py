@@ -13,6 +13,7 @@ adapters load them when they are used.
 
 from __future__ import annotations
 
+from ._arrays import UnsupportedArgumentError
 from ._collectives import (
     Handle,
     allgather,
@@ -32,12 +33,12 @@ from ._errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    LaunchEnvironmentError,
     NotInitializedError,
     PhalanxError,
     RankFailedError,
     WorldBrokenError,
 )
-from ._arrays import UnsupportedArgumentError
 from ._output import RankFilter, print, setup_logging
 from ._settings import settings
 from ._world import (
@@ -59,6 +60,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "Handle",
+    "LaunchEnvironmentError",
     "NotInitializedError",
     "PhalanxError",
     "RankFailedError",

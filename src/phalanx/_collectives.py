@@ -19,7 +19,7 @@ import pickle
 from typing import Any
 
 from ._arrays import FLOAT_DTYPES, Buffer, UnsupportedArgumentError, as_buffer
-from ._errors import PhalanxError
+from ._errors import CollectiveMismatchError, PhalanxError
 from ._settings import settings
 from ._world import World, current
 from .comm._base import OPS, PeerLost, Request, WaitTimeout
@@ -153,17 +153,20 @@ class Handle:
     posted once it has passed, always in the order the calls were made.
     """
 
-    __slots__ = ("_world", "_call", "_buf", "_start", "_agreement", "_request", "_result", "_done")
+    __slots__ = ("_world", "_call", "_buf", "_start", "_agreement", "_request", "_result", "_done",
+                 "_error")
 
-    def __init__(self, world: World, call: str, buf: Buffer, start: Any, agreement: Request | None) -> None:
+    def __init__(self, world: World, call: str, buf: Buffer, start: _Start,
+                 agreement: Request | None) -> None:
         self._world = world
         self._call = call
         self._buf = buf
-        self._start = start  # () -> backend Request for the data phase
+        self._start = start  # _Start: () -> backend Request for the data phase
         self._agreement = agreement
         self._request: Request | None = None
         self._result: Any = None
         self._done = False
+        self._error: Exception | None = None  # a mismatch, re-raised by every later wait/test
         if agreement is None:
             self._request = start()
         else:
@@ -173,28 +176,31 @@ class Handle:
         """Post the data phase once the agreement passed (blocking if asked). True when posted."""
         if self._request is not None:
             return True
+        if self._error is not None:
+            raise self._error
         world = self._world
         assert self._agreement is not None  # internal invariant, not user input
         while world.pending and world.pending[0] is not self:
             world.pending[0].post(block=True)  # earlier calls go first, on every rank
         try:
-            if block:
-                same = self._agreement.wait(world.timeout)
-            elif self._agreement.test():
-                same = self._agreement.wait(world.timeout)
-            else:
+            if not block and not self._agreement.test():
                 return False
+            same = self._agreement.wait(world.timeout)
+            world.pending.popleft()
+            if not same:
+                try:
+                    world.explain_mismatch(self._call, self._buf, self._start.op, self._start.root)
+                except CollectiveMismatchError as exc:
+                    self._error = exc
+                    raise
+            self._request = self._start()
         except WaitTimeout:
             world.pending.clear()
             raise world.timed_out(self._call) from None
-        world.pending.popleft()
-        if not same:
-            world.explain_mismatch(self._call, self._buf, *self._fingerprint_args())
-        self._request = self._start()
+        except PeerLost as exc:
+            world.pending.clear()
+            raise world.peer_lost(self._call, exc) from None
         return True
-
-    def _fingerprint_args(self) -> tuple[str | None, int]:
-        return self._start.op, self._start.root
 
     def test(self) -> bool:
         """True once the result is ready (never blocks, except to report a mismatch)."""
@@ -258,7 +264,10 @@ def _start_handle(world: World, call: str, buf: Buffer, start: _Start) -> Handle
     if world.pending:
         world.flush(call)
     world.calls += 1
-    agreement = world.backend.iagree(world.signature(call, buf, start.op, start.root))
+    try:
+        agreement = world.backend.iagree(world.signature(call, buf, start.op, start.root))
+    except PeerLost as exc:
+        raise world.peer_lost(call, exc) from None
     return Handle(world, call, buf, start, agreement)
 
 

@@ -12,6 +12,7 @@ __all__ = [
     "BackendUnavailableError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "LaunchEnvironmentError",
     "NotInitializedError",
     "PhalanxError",
     "RankFailedError",
@@ -36,6 +37,10 @@ class NotInitializedError(PhalanxError, RuntimeError):
 
 class BackendUnavailableError(PhalanxError, ImportError):
     """A backend's dependency is missing or not usable here."""
+
+
+class LaunchEnvironmentError(PhalanxError, ValueError):
+    """A variable the rendezvous needs (``RANK``, ``MASTER_PORT``, ...) is missing or malformed."""
 
 
 class CollectiveMismatchError(PhalanxError, ValueError):

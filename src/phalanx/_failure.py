@@ -60,11 +60,14 @@ def record_failure(exc_type: type[BaseException], exc: BaseException, tb: Traceb
 
 
 def install_abort_hook(world: Any) -> None:
-    """On an uncaught exception: print it, record it, then abort the whole MPI job.
+    """On an uncaught exception: print it, record it, then end the job (``backend.abort``).
 
-    Also at exit: a world broken by a timeout has collectives in flight that
-    can never complete, and ``MPI_Finalize`` could wait for them forever, so
-    the job is aborted instead.
+    On MPI that is ``MPI_Abort`` (otherwise the job deadlocks); on gloo/nccl
+    it exits at once, so peers see the closed connection within a second
+    instead of waiting out the process group's own timeout. Also at exit: a
+    world broken by a timeout has collectives in flight that can never
+    complete, and ``MPI_Finalize`` could wait for them forever, so the MPI
+    job is aborted instead.
     """
     backend = world.backend
     if backend.size <= 1 or getattr(sys.excepthook, "_phalanx", False):
@@ -72,7 +75,7 @@ def install_abort_hook(world: Any) -> None:
     previous = sys.excepthook
 
     def at_exit() -> None:
-        if world.broken is not None:
+        if world.broken is not None and backend.name == "mpi":
             sys.stderr.write(f"phalanx: rank {backend.rank} ends the MPI job: the world was left "
                              f"unusable ({world.broken}), so MPI cannot finalize cleanly.\n")
             sys.stderr.flush()
@@ -86,7 +89,7 @@ def install_abort_hook(world: Any) -> None:
             previous(exc_type, exc, tb)
             sys.stderr.write(
                 f"phalanx: rank {backend.rank}/{backend.size} raised {exc_type.__name__}; "
-                "aborting the MPI job so the other ranks do not wait forever.\n"
+                "ending the job so the other ranks do not wait forever.\n"
             )
             sys.stderr.flush()
             sys.stdout.flush()

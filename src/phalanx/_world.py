@@ -241,10 +241,9 @@ def init(backend: str = "auto", *, devices: list[Any] | None = None, timeout: fl
                          else settings.gpu_aware_mpi, devices=devices)
     _WORLD = World(impl, timeout=seconds, check=settings.check if check is None else check,
                    debug=settings.debug if debug is None else debug, devices=devices)
-    if impl.name == "mpi":
-        from ._failure import install_abort_hook
+    from ._failure import install_abort_hook
 
-        install_abort_hook(_WORLD)
+    install_abort_hook(_WORLD)
     return impl
 
 

@@ -1,0 +1,247 @@
+"""``phalanx bench allreduce|broadcast``: phalanx against the raw libraries, same run, same buffers.
+
+Launched alone, it starts a world of ``-n`` ranks through ``phalanx run`` and
+re-enters itself in every rank (``--worker``). In an MPI world it measures, on
+the same buffers and interleaved: phalanx on MPI, raw mpi4py, phalanx on Gloo
+and raw ``torch.distributed`` (Gloo); in a Gloo world, the last two. Each
+figure is the median of ``--repeats`` timings, each timing the slowest rank's
+mean over enough iterations to last ``--min-time`` seconds.
+
+Bandwidths follow nccl-tests: algorithm bandwidth = bytes / time; bus
+bandwidth = algbw x 2(n-1)/n for allreduce (x 1 for broadcast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["main"]
+
+DEFAULT_SIZES = [4, 8, 64, 1024, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+
+
+def _parse_size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = text.strip().lower().rstrip("b").rstrip("i")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="phalanx bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("collective", choices=["allreduce", "broadcast"])
+    p.add_argument("-n", "--nprocs", type=int, default=2, help="ranks to start (default 2)")
+    p.add_argument("--backend", choices=["mpi", "gloo"], default=None,
+                   help="world to start (default: mpi when available, else gloo)")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated message sizes in bytes, e.g. 8,1M,64M (default 4 B .. 64 MiB)")
+    p.add_argument("--repeats", type=int, default=7, help="timings per figure; the median is reported")
+    p.add_argument("--min-time", type=float, default=0.05, help="seconds each timing lasts at least")
+    p.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    cmd = [sys.executable, "-m", "phalanx", "run", "-n", str(args.nprocs)]
+    if args.backend:
+        cmd += ["--backend", args.backend]
+    cmd += ["-m", "phalanx.cli._bench", "--worker", *(argv if argv is not None else sys.argv[1:])]
+    return subprocess.call(cmd)
+
+
+# -- inside the world ------------------------------------------------------------------------
+
+@contextmanager
+def _as_global(world: Any):
+    """Run phalanx's public functions against ``world`` (a second backend in the same processes)."""
+    from .. import _world
+
+    saved = _world._WORLD
+    _world._WORLD = world
+    try:
+        yield
+    finally:
+        _world._WORLD = saved
+
+
+def _gloo_beside_mpi(mpi_comm: Any) -> Any:
+    """Start a Gloo process group in an MPI world (port chosen by rank 0, sent over MPI)."""
+    import socket
+
+    port = 0
+    if mpi_comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = mpi_comm.bcast(port, root=0)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(mpi_comm.rank),
+                      WORLD_SIZE=str(mpi_comm.size), LOCAL_RANK=str(mpi_comm.rank),
+                      LOCAL_WORLD_SIZE=str(mpi_comm.size))
+    from .._world import World
+    from ..comm._torch import TorchBackend
+
+    world = _current()
+    return World(TorchBackend("gloo", timeout=world.timeout, devices=None), timeout=world.timeout,
+                 check=world.check, debug=False, devices=None)
+
+
+def _current() -> Any:
+    from .. import _world
+
+    return _world.current("bench")
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    import phalanx
+
+    torch.set_num_threads(1)
+    phalanx.init()
+    main_world = _current()
+    rank, size = main_world.rank, main_world.size
+    sizes = [_parse_size(s) for s in args.sizes.split(",")] if args.sizes else DEFAULT_SIZES
+    impls: list[tuple[str, Any, Callable[[Any, Any], Callable[[], Any]]]] = []
+    dist = torch.distributed
+    coll = args.collective
+    if main_world.backend.name == "mpi":
+        MPI = main_world.backend.MPI
+        raw_comm = MPI.COMM_WORLD.Dup()
+        impls.append(("phalanx-mpi", main_world, _phalanx_call(coll)))
+        impls.append(("mpi4py", None, _mpi_call(coll, raw_comm, MPI)))
+        try:
+            gloo_world = _gloo_beside_mpi(raw_comm)
+        except Exception as exc:  # noqa: BLE001 - the comparison is optional, the report says why
+            if rank == 0:
+                print(f"phalanx bench: no Gloo comparison in this run ({exc})", file=sys.stderr)
+        else:
+            impls.append(("phalanx-gloo", gloo_world, _phalanx_call(coll)))
+            impls.append(("torch.distributed-gloo", None, _torch_call(coll, dist)))
+    else:
+        impls.append((f"phalanx-{main_world.backend.name}", main_world, _phalanx_call(coll)))
+        impls.append((f"torch.distributed-{main_world.backend.name}", None, _torch_call(coll, dist)))
+
+    def slowest(seconds: float) -> float:
+        with _as_global(main_world):
+            return float(phalanx.allreduce(np.array(seconds), op="max"))
+
+    results = []
+    for nbytes in sizes:
+        count = max(1, nbytes // 4)
+        array = np.ones(count, np.float32)
+        tensor = torch.from_numpy(array)  # the same memory for every implementation
+        calls = {name: make(array, tensor) for name, _, make in impls}
+        iters = {}
+        for name, world, _ in impls:  # warm up and size the loop from the first implementation
+            with _as_global(world or main_world):
+                iters[name] = _calibrate(calls[name], args.min_time, slowest)
+        samples: dict[str, list[float]] = {name: [] for name, _, _ in impls}
+        for _ in range(args.repeats):
+            for name, world, _ in impls:  # interleaved, so drift on a shared machine hits all alike
+                with _as_global(world or main_world):
+                    samples[name].append(_time(calls[name], iters[name], slowest))
+        row = {"bytes": count * 4, "iterations": iters,
+               "seconds": {k: statistics.median(v) for k, v in samples.items()}, "samples": samples}
+        results.append(row)
+        if rank == 0:
+            _print_row(row, coll, size, impls, first=nbytes == sizes[0])
+    if rank == 0:
+        summary = {"collective": coll, "ranks": size, "backend": main_world.backend.name,
+                   "repeats": args.repeats, "check": main_world.check, "results": results,
+                   "host": os.uname().nodename, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if args.json_path:
+            with open(args.json_path, "w") as f:
+                json.dump(summary, f, indent=1)
+            print(f"\nresults written to {args.json_path}")
+    return 0
+
+
+def _calibrate(call: Callable[[], Any], min_time: float, slowest: Callable[[float], float]) -> int:
+    for _ in range(3):
+        call()
+    iters = 1
+    while True:
+        elapsed = _time(call, iters, slowest) * iters
+        if elapsed >= min_time or iters >= 100_000:
+            return iters
+        iters = min(100_000, max(iters * 2, int(iters * min_time / max(elapsed, 1e-9) * 1.2)))
+
+
+def _time(call: Callable[[], Any], iters: int, slowest: Callable[[float], float]) -> float:
+    slowest(0.0)  # line the ranks up
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    return slowest(time.perf_counter() - start) / iters
+
+
+def _phalanx_call(coll: str) -> Callable[[Any, Any], Callable[[], Any]]:
+    import phalanx
+
+    def make(array: Any, tensor: Any) -> Callable[[], Any]:
+        if coll == "allreduce":
+            return lambda: phalanx.allreduce(array)
+        return lambda: phalanx.broadcast(array, root=0)
+
+    return make
+
+
+def _mpi_call(coll: str, comm: Any, MPI: Any) -> Callable[[Any, Any], Callable[[], Any]]:
+    def make(array: Any, tensor: Any) -> Callable[[], Any]:
+        if coll == "allreduce":
+            return lambda: comm.Allreduce(MPI.IN_PLACE, array, MPI.SUM)
+        return lambda: comm.Bcast(array, root=0)
+
+    return make
+
+
+def _torch_call(coll: str, dist: Any) -> Callable[[Any, Any], Callable[[], Any]]:
+    def make(array: Any, tensor: Any) -> Callable[[], Any]:
+        if coll == "allreduce":
+            return lambda: dist.all_reduce(tensor)
+        return lambda: dist.broadcast(tensor, src=0)
+
+    return make
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
+
+
+def _print_row(row: dict[str, Any], coll: str, size: int, impls: list[Any], first: bool) -> None:
+    names = [name for name, _, _ in impls]
+    factor = 2 * (size - 1) / size if coll == "allreduce" and size > 1 else 1.0
+    if first:
+        head = f"{'size':>9} " + " ".join(f"{n + ' us':>26}" for n in names)
+        head += "   ratios (phalanx/raw)  busbw GB/s (" + names[0] + ")"
+        print(f"phalanx bench {coll}: {size} ranks, median of timings, time of the slowest rank")
+        print(head)
+    secs = row["seconds"]
+    cells = " ".join(f"{secs[n] * 1e6:>26.2f}" for n in names)
+    ratios = []
+    for i in range(0, len(names) - 1, 2):
+        ratios.append(f"{secs[names[i]] / secs[names[i + 1]]:.3f}")
+    busbw = row["bytes"] / secs[names[0]] * factor / 1e9
+    print(f"{_fmt_bytes(row['bytes']):>9} {cells}   {' '.join(ratios):>21}  {busbw:10.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""The failure report: which rank failed first, how, and its traceback.
+
+Ranks leave ``failure-rank<r>.json`` in the job directory when they raise
+(:func:`phalanx._failure.record_failure`). A rank killed by a signal leaves
+nothing; the launcher then knows only when it saw it die. The first failure
+is the earliest of both, except that errors which only *echo* another rank's
+death (a peer lost, a broken world) count only when nothing else explains the job's end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._procs import signal_name
+
+__all__ = ["Death", "any_record", "describe_exit", "failure_report", "first_failure", "read_records"]
+
+# Errors a rank raises because *another* rank failed: never the root cause when one is known.
+ECHOES = ("RankFailedError", "WorldBrokenError", "DistBackendError")
+
+
+@dataclass
+class Death:
+    """How one rank ended, as far as the launcher knows."""
+
+    code: int | None = None  # exit status (negative: killed by that signal); None if unknown
+    at: float | None = None  # time.time() when the launcher noticed
+    by_launcher: bool = False  # the launcher stopped it after the first failure
+    notes: list[str] = field(default_factory=list)
+
+
+def any_record(job_dir: str) -> bool:
+    """Cheap: has some rank recorded an exception yet?"""
+    try:
+        return any(name.startswith("failure-rank") for name in os.listdir(job_dir))
+    except OSError:
+        return False
+
+
+def read_records(job_dir: str) -> dict[int, dict[str, Any]]:
+    records: dict[int, dict[str, Any]] = {}
+    try:
+        names = os.listdir(job_dir)
+    except OSError:
+        return records
+    for name in names:
+        if name.startswith("failure-rank") and name.endswith(".json"):
+            try:
+                with open(os.path.join(job_dir, name)) as f:
+                    record = json.load(f)
+                records[int(record["rank"])] = record
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # a half-written record: the rank was killed while writing it
+    return records
+
+
+def describe_exit(code: int) -> str:
+    return f"killed by signal {-code} ({signal_name(-code)})" if code < 0 else f"exit code {code}"
+
+
+def first_failure(records: dict[int, dict[str, Any]], deaths: dict[int, Death]) -> int | None:
+    """The rank whose failure came first (see module docstring), or None."""
+    causes: list[tuple[float, int]] = []
+    echoes: list[tuple[float, int]] = []
+    for rank, record in records.items():
+        (echoes if record.get("type") in ECHOES else causes).append((float(record.get("time", 0)), rank))
+    for rank, death in deaths.items():
+        if rank not in records and death.code not in (None, 0) and not death.by_launcher:
+            causes.append((death.at or float("inf"), rank))
+    ranked = sorted(causes) or sorted(echoes)
+    return ranked[0][1] if ranked else None
+
+
+def failure_report(first: int | None, start: float, records: dict[int, dict[str, Any]],
+                   deaths: dict[int, Death], stopper: str = "the launcher", others: str = "") -> str:
+    """The text printed to stderr when a job fails.
+
+    ``stopper`` names who ended the ranks that were still running; ``others`` adds a note
+    about them (e.g. mpiexec's exit status).
+    """
+    record = records.get(first) if first is not None else None
+    death = deaths.get(first, Death()) if first is not None else Death()
+    own_exit = death.code not in (None, 0) and not death.by_launcher
+    when = float(record["time"]) if record else death.at
+    after = f" after {when - start:.1f} s" if when else ""
+    if first is None:
+        lines = ["phalanx run: the job failed, but no rank reported an error or was seen to die."]
+    elif record:
+        how = f" ({describe_exit(death.code)})" if own_exit else ""  # type: ignore[arg-type]
+        lines = [f"phalanx run: rank {first} failed first{how}{after}: {record['type']}: {record['message']}",
+                 record["traceback"].rstrip("\n")]
+    else:
+        how = describe_exit(death.code) if death.code is not None else "it ended"  # type: ignore[arg-type]
+        lines = [f"phalanx run: rank {first} failed first{after}: {how}, without a Python traceback"
+                 + (" (sys.exit or os._exit)." if (death.code or 0) > 0 else ".")]
+        if death.code == -signal.SIGKILL:
+            lines.append("A SIGKILL that nobody sent usually comes from the out-of-memory killer: check `dmesg`.")
+    lines += death.notes
+
+    rest, stopped = [], []
+    for rank in sorted(set(records) | set(deaths)):
+        other, end = records.get(rank), deaths.get(rank)
+        if rank == first:
+            continue
+        if other:
+            message = (other.get("message") or "").splitlines()
+            rest.append(f"rank {rank} raised {other['type']}" + (f": {message[0]}" if message else ""))
+        elif end and end.by_launcher:
+            stopped.append(rank)
+        elif end and end.code is not None:
+            rest.append(f"rank {rank} " + ("had finished" if end.code == 0 else describe_exit(end.code)))
+    if stopped:
+        rest.append(f"rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} stopped by {stopper}")
+    if others:
+        rest.append(others)
+    if rest:
+        lines.append(f"(other ranks: {'; '.join(rest)})")
+    return "\n".join(lines)

@@ -1,0 +1,123 @@
+"""gloo/nccl jobs: start N ranks on this machine and supervise them.
+
+Each rank gets the torch.distributed environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
+its own process group, so stopping a rank also stops what it started
+(DataLoader workers). The supervisor polls every 50 ms; the first rank that
+exits non-zero, dies by a signal or records an exception ends the job:
+SIGTERM to every other rank's group, SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from ._launch import GRACE, Launch, Signals, worker_command
+from ._logs import Echo, log_path, pump
+from ._procs import child_setup, stop_groups
+from ._report import Death, any_record, failure_report, first_failure, read_records
+
+__all__ = ["free_port", "run_spawn"]
+
+POLL = 0.05
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (rank 0's store binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) -> int:
+    start = time.time()
+    port = str(free_port())
+    setup = child_setup()
+    logs = job.log_dir is not None
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(job.n):
+            rank_env = dict(env, RANK=str(rank), WORLD_SIZE=str(job.n), LOCAL_RANK=str(rank),
+                            LOCAL_WORLD_SIZE=str(job.n), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+            procs.append(subprocess.Popen(
+                worker_command(job.target), env=rank_env, start_new_session=True, preexec_fn=setup,
+                stdout=subprocess.PIPE if logs else None, stderr=subprocess.STDOUT if logs else None,
+            ))
+    except BaseException:
+        stop_groups([p.pid for p in procs], lambda: [p.pid for p in procs if p.poll() is None], GRACE)
+        raise
+    # Readers start after the last fork: preexec_fn and running threads do not mix.
+    readers: list[threading.Thread] = []
+    files = []
+    if job.log_dir is not None:
+        for rank, proc in enumerate(procs):
+            assert proc.stdout is not None
+            files.append(open(log_path(job.log_dir, rank), "wb"))  # closed once its reader is done
+            readers.append(pump(proc.stdout, [files[-1]], Echo(rank, job.echo)))
+
+    deaths: dict[int, Death] = {}
+
+    def reap() -> list[int]:
+        """Note the ranks that ended since the last look; return those still running."""
+        now = time.time()
+        for rank, proc in enumerate(procs):
+            if rank not in deaths and (code := proc.poll()) is not None:
+                deaths[rank] = Death(code, now)
+        return [rank for rank in range(job.n) if rank not in deaths]
+
+    while True:
+        running = reap()
+        # A recorded exception ends the job at once, before its rank has finished exiting.
+        failed = any(d.code != 0 for d in deaths.values()) or any_record(job_dir)
+        if failed or signals.received or not running:
+            break
+        time.sleep(POLL)
+
+    if running:
+        stopped = _stop(procs, running, set(read_records(job_dir)), reap, lambda: signals.count > 1)
+        for rank in stopped:
+            deaths[rank].by_launcher = True
+    for thread in readers:
+        thread.join(timeout=5)
+    for f in files:
+        f.close()
+
+    if signals.received:
+        return signals.exit_code
+    if not failed:
+        return 0
+    records = read_records(job_dir)
+    first = first_failure(records, deaths)
+    sys.stderr.write(failure_report(first, start, records, deaths) + "\n")
+    sys.stderr.flush()
+    code = deaths[first].code if first is not None and first in deaths else None
+    if code is None or code == 0 or deaths[first].by_launcher:
+        return 1
+    return code if code > 0 else 128 - code
+
+
+def _stop(procs: list[subprocess.Popen[bytes]], running: list[int], recorders: set[int],
+          reap: Callable[[], list[int]], hurry: Callable[[], bool]) -> list[int]:
+    """Stop the ranks still running; return the ones the launcher had to signal.
+
+    A rank that recorded its exception is already on its way out (a torch process takes
+    ~0.5 s to exit): it gets the grace period to exit by itself, so the report shows its own
+    exit status. The others get SIGTERM at once, SIGKILL after the grace period.
+    """
+    others = [r for r in running if r not in recorders]
+    leaving = [r for r in running if r in recorders]
+    deadline = time.monotonic() + GRACE
+    stop_groups([procs[r].pid for r in others], lambda: [r for r in reap() if r in others], GRACE, hurry)
+    while [r for r in reap() if r in leaving] and time.monotonic() < deadline and not hurry():
+        time.sleep(0.02)
+    late = [r for r in reap() if r in leaving]
+    stop_groups([procs[r].pid for r in late], lambda: [r for r in reap() if r in late], 1.0, hurry)
+    for rank in others + late:
+        procs[rank].wait()
+    reap()
+    return others + late

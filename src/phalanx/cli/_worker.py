@@ -1,0 +1,152 @@
+"""What every rank runs: ``python -m phalanx.cli._worker [-m module | script] args...``.
+
+Runs the user's code as ``__main__`` (like ``python script.py`` /
+``python -m module``, with ``sys.argv`` and ``sys.path[0]`` set the same way)
+and makes an uncaught exception end the job instead of hanging it:
+
+* the traceback goes to stderr and into ``$PHALANX_JOB_DIR/failure-rank<r>.json``
+  (so ``phalanx run`` can name the rank that failed first);
+* under MPI with more than one rank it calls ``MPI_Abort`` (a rank that just
+  exits would leave its peers waiting in a collective, or in ``MPI_Finalize``);
+  otherwise it exits with status 1 and the launcher stops the other ranks.
+
+``KeyboardInterrupt`` exits 130; ``SystemExit`` passes through (a non-zero
+status also aborts an MPI job, as ``python -m mpi4py`` does). phalanx itself
+is imported only on failure, so settings read from the environment at import
+time still see what the script sets before its own ``import phalanx``.
+
+With ``PHALANX_LOG_DIR`` set (``phalanx run --backend mpi --log-dir DIR``) the
+rank's stdout and stderr go to ``DIR/rank.<r>.log`` only; the launcher echoes
+those files to its console.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import socket
+import sys
+import traceback
+from typing import Any
+
+# Set by the launchers phalanx supports (phalanx run/torchrun, Open MPI, Hydra, PMIx, Slurm):
+# the rank is needed before MPI is initialized, so it is read from the environment.
+_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
+def env_rank() -> int:
+    for name in _RANK_VARS:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def _mpi() -> Any:
+    """mpi4py.MPI when the user's code initialized MPI with more than one rank, else None."""
+    mpi = sys.modules.get("mpi4py.MPI")  # never import it here: that could initialize MPI
+    try:
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1:
+            return mpi
+    except Exception:  # noqa: BLE001 - a broken MPI must not hide the user's error
+        pass
+    return None
+
+
+def _abort_at_exit(status: int) -> None:
+    """Make mpi4py call MPI_Abort(status) instead of MPI_Finalize at exit (what `-m mpi4py` does)."""
+    mpi = _mpi()
+    setter = getattr(mpi, "_set_abort_status", None)
+    if setter is not None and status:
+        setter(status)
+
+
+def _redirect_output(log_dir: str, rank: int) -> None:
+    fd = os.open(os.path.join(log_dir, f"rank.{rank}.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+
+
+def _leave_pid(job_dir: str, rank: int) -> None:
+    try:
+        with open(os.path.join(job_dir, f"pid-rank{rank}"), "w") as f:
+            f.write(f"{os.getpid()} {socket.gethostname()}\n")
+    except OSError:
+        pass  # on another node the job directory does not exist: only the report loses detail
+
+
+def run(argv: list[str]) -> None:
+    """Run ``[-m module | script] args...`` as ``__main__``."""
+    if not argv or argv[0] == "-m" and len(argv) < 2:
+        raise SystemExit("usage: python -m phalanx.cli._worker [-m module | script] [args...]")
+    if argv[0] == "-m":
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.realpath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def _user_frames(exc: BaseException) -> BaseException:
+    """Drop the leading frames of this bootstrap, runpy and phalanx.testing's rank runner
+    (``phalanx.cli``): they are noise to the user."""
+    ours = os.path.dirname(os.path.abspath(__file__))
+    runner = {os.path.abspath(runpy.__file__ or ""), "<frozen runpy>"}
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and (
+            tb.tb_frame.f_code.co_filename in runner
+            or os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == ours):
+        tb = tb.tb_next
+    return exc.with_traceback(tb)
+
+
+def fail(exc: BaseException) -> None:
+    """Report an uncaught exception and end this rank (and an MPI job)."""
+    rank = env_rank()
+    exc = _user_frames(exc)
+    try:
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+        from phalanx._failure import record_failure
+
+        record_failure(type(exc), exc, exc.__traceback__, rank)
+    finally:
+        mpi = _mpi()
+        if mpi is not None:
+            size = mpi.COMM_WORLD.Get_size()
+            sys.stderr.write(f"phalanx: rank {rank}/{size} raised {type(exc).__name__}; aborting the MPI "
+                             "job so the other ranks do not wait forever.\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        if mpi is not None:
+            mpi.COMM_WORLD.Abort(1)
+    # Exit normally (atexit handlers flush the user's files). Should exit hang, waiting for peers that
+    # will never come, the launcher stops this rank: it has seen the failure record.
+    sys.exit(1)
+
+
+def main() -> None:
+    rank = env_rank()
+    log_dir = os.environ.get("PHALANX_LOG_DIR")
+    if log_dir:
+        _redirect_output(log_dir, rank)
+    job_dir = os.environ.get("PHALANX_JOB_DIR")
+    if job_dir:
+        _leave_pid(job_dir, rank)
+    try:
+        run(sys.argv[1:])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        _abort_at_exit(code)
+        raise
+    except KeyboardInterrupt as exc:
+        traceback.print_exception(_user_frames(exc))
+        _abort_at_exit(130)
+        sys.exit(130)
+    except BaseException as exc:  # noqa: BLE001 - every uncaught error must end the job
+        fail(exc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,504 @@
+"""The ``gloo`` and ``nccl`` backends: torch.distributed, with the same semantics as ``mpi``.
+
+Design notes (why, not what):
+
+* The rendezvous is a ``TCPStore`` made here from ``RANK``/``WORLD_SIZE``/
+  ``MASTER_ADDR``/``MASTER_PORT`` (what torchrun and ``phalanx run`` set), and
+  kept: after a timeout the process group is unusable, but the store still
+  answers, so :meth:`TorchBackend.diagnose` asks it who is stuck where. A
+  process group the user (or torchrun) already initialized is reused as is.
+* Every operation is posted with ``async_op=True`` and waited with a deadline:
+  gloo's ``Work.wait(timedelta)`` honours it (and costs nothing over a
+  blocking call); NCCL work is polled with ``is_completed()``, which never
+  blocks the host. So a stuck peer is a timeout, not a hang, even when the
+  process group was made with a longer timeout than phalanx's.
+* gloo and NCCL reduce float16/bfloat16 natively (half the bytes on the wire,
+  which is what compressed gradients are for), so a sum over more than two
+  ranks may differ from MPI's float32-accumulated one in the last bit. Only
+  ``avg`` widens halves to float32 on gloo, so a mean cannot overflow where
+  MPI's would not; NCCL averages natively. Neither transport has int16:
+  reductions widen it to int32 (the same wrap-around), moves send its bits
+  as float16.
+* gloo's ``reduce`` scribbles on non-root buffers, so non-root ranks reduce a
+  copy. NumPy arrays are shared with gloo zero-copy (``torch.from_numpy``);
+  NCCL stages host memory on the rank's GPU, and gloo CUDA memory on the host.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import json
+import os
+import re
+import socket
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .._errors import BackendUnavailableError, CollectiveTimeoutError, LaunchEnvironmentError, PhalanxError
+from ._base import PeerLost, WaitTimeout
+from ._wait import poll
+
+__all__ = ["TorchBackend"]
+
+# How torch reports a dead peer (gloo: "Connection closed by peer [addr]:port", NCCL: remote errors).
+_LOST = ("connection closed", "connection reset", "broken pipe", "connection refused", "ncclremoteerror",
+         "communicator was aborted", "remote process exiting", "socket closed", "end of file")
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _translate(exc: RuntimeError) -> Exception | None:
+    """torch's error for a timeout or a lost peer as WaitTimeout/PeerLost; None for anything else."""
+    text = str(exc)
+    first = re.sub(r"^\[[^\]]*\] ", "", text.strip().split("\n", 1)[0])  # drop "[.../pair.cc:553] "
+    if any(s in text.lower() for s in _LOST):
+        return PeerLost(first)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return WaitTimeout(first)
+    return None
+
+
+def _translating(method: _F) -> _F:
+    """Raise torch's timeout/peer errors from ``method`` as WaitTimeout/PeerLost."""
+    @functools.wraps(method)
+    def wrapper(*args: Any) -> Any:
+        try:
+            return method(*args)
+        except RuntimeError as exc:
+            failure = _translate(exc)
+            if failure is None:
+                raise
+            raise failure from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise BackendUnavailableError("phalanx backends 'gloo' and 'nccl' need PyTorch: "
+                                      "`pip install 'phalanx[torch]'` (or `pip install torch`).") from exc
+    if not dist.is_available():
+        raise BackendUnavailableError(
+            f"phalanx backends 'gloo'/'nccl': this PyTorch build ({torch.__version__}) has no "
+            "torch.distributed. Install an official wheel (`pip install torch`), or use backend='mpi'.")
+    return torch
+
+
+def _env(name: str, kind: type = str) -> Any:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        raise LaunchEnvironmentError(
+            f"phalanx backends 'gloo'/'nccl' need the environment variable {name}, which is not set. "
+            "Start the script with `phalanx run -n N script.py` or `torchrun --nproc-per-node N "
+            "script.py` (they set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or set them yourself.")
+    try:
+        return kind(value)
+    except ValueError:
+        raise LaunchEnvironmentError(f"{name}={value!r} is not an integer") from None
+
+
+class _Request:
+    """A ``Work`` in flight plus what turns its buffers into the user's result."""
+
+    __slots__ = ("_backend", "_work", "_finish", "_done", "_result", "_error")
+
+    def __init__(self, backend: TorchBackend, work: Any, finish: Callable[[], Any],
+                 error: Exception | None = None) -> None:
+        self._backend, self._work, self._finish, self._error = backend, work, finish, error
+        self._done = False
+        self._result: Any = None
+
+    def test(self) -> bool:
+        if self._done or self._error is not None:
+            return True
+        if not self._work.is_completed():
+            return False
+        try:
+            self.wait(1.0)
+        except (WaitTimeout, PeerLost) as exc:  # kept for wait(), where the front end expects it
+            self._error = exc
+        return True
+
+    def wait(self, timeout: float) -> Any:
+        if not self._done:
+            if self._error is not None:
+                raise self._error
+            self._backend._wait(self._work, timeout)
+            self._result = self._finish()
+            self._done = True
+            self._work = self._finish = None  # drop buffer references
+        return self._result
+
+
+class TorchBackend:
+    """Backend over torch.distributed (gloo or NCCL); see the module docstring."""
+
+    _made = 0  # backends made in this process: separates the store keys of successive worlds
+
+    def __init__(self, name: str | None, *, timeout: float, devices: list[Any] | None = None) -> None:
+        torch = _import_torch()
+        dist = self._dist = torch.distributed
+        self._torch = torch
+        TorchBackend._made += 1
+        self._generation = TorchBackend._made
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            name = name or ("nccl" if torch.cuda.is_available() else "gloo")
+            self._check_available(name)
+            self.rank, self.size = _env("RANK", int), _env("WORLD_SIZE", int)
+            self._store = self._rendezvous(timeout)
+        else:  # the user or torchrun made the process group: use it as it is
+            existing = str(dist.get_backend())
+            name = name or ("nccl" if "nccl" in existing and torch.cuda.is_available() else "gloo")
+            if name not in existing:
+                raise PhalanxError(f"phalanx.init(backend={name!r}): torch.distributed is already "
+                                   f"initialized with backend {existing!r}; pass backend='auto'.")
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+            get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+            self._store = get_store() if get_store is not None else None
+        self.name = name
+        self._nccl = name == "nccl"
+        self.local_rank, self.local_size = self._node_ranks(timeout)
+        bound = None if self._owns_group else getattr(dist.group.WORLD, "bound_device_id", None)
+        self.device = (bound or self._pick_device(devices)) if self._nccl else torch.device("cpu")
+        if self._owns_group:
+            if self._nccl:
+                torch.cuda.set_device(self.device)
+                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+            try:
+                dist.init_process_group(name, rank=self.rank, world_size=self.size, store=self._store,
+                                        timeout=timedelta(seconds=timeout),
+                                        **({"device_id": self.device} if self._nccl else {}))
+            except RuntimeError as exc:
+                raise self._rendezvous_error(exc, timeout) from exc
+            # Exiting with a live gloo group sometimes dies in "terminate called without an
+            # active exception" (about 1 run in 20, raw torch too); destroying it first does not.
+            atexit.register(self.shutdown)
+        ops = dist.ReduceOp  # on bool, MIN is logical and and MAX logical or, on gloo and NCCL alike
+        self._ops = {"sum": ops.SUM, "prod": ops.PRODUCT, "min": ops.MIN, "max": ops.MAX,
+                     "avg": ops.AVG if self._nccl else ops.SUM}
+        self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        self._chk = np.zeros(2, np.int64)  # agree()'s buffer: NumPy writes cost less than tensor writes
+        self._chk_t = torch.from_numpy(self._chk)
+        self._chk_dev = self._chk_t.to(self.device)
+
+    def __repr__(self) -> str:
+        return f"<phalanx {self.name} backend rank {self.rank}/{self.size}>"
+
+    # -- setup ------------------------------------------------------------------
+    def _check_available(self, name: str) -> None:
+        torch, dist = self._torch, self._dist
+        if name not in ("gloo", "nccl"):
+            raise ValueError(f"TorchBackend: unknown backend {name!r}; use 'gloo' or 'nccl'")
+        if name == "nccl" and not torch.cuda.is_available():
+            raise BackendUnavailableError(
+                "phalanx backend 'nccl' needs CUDA GPUs, and torch.cuda.is_available() is False here "
+                f"(torch {torch.__version__}). Use backend='gloo' on CPUs, or install a CUDA build of torch.")
+        if not (dist.is_nccl_available() if name == "nccl" else dist.is_gloo_available()):
+            raise BackendUnavailableError(f"phalanx backend {name!r}: this PyTorch build "
+                                          f"({torch.__version__}) was compiled without {name}.")
+
+    def _rendezvous(self, timeout: float) -> Any:
+        host, port = _env("MASTER_ADDR"), _env("MASTER_PORT", int)
+        # Under torchrun the agent already serves a store on MASTER_PORT, shared by restarts.
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        try:
+            store = self._dist.TCPStore(host, port, self.size, is_master=self.rank == 0 and not agent,
+                                        timeout=timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            raise self._rendezvous_error(exc, timeout) from exc
+        if agent:
+            store = self._dist.PrefixStore(f"phalanx{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        return store
+
+    def _rendezvous_error(self, exc: RuntimeError, timeout: float) -> PhalanxError:
+        where = f"rank {self.rank}/{self.size} at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        if isinstance(_translate(exc), WaitTimeout):
+            return CollectiveTimeoutError(
+                f"phalanx.init: the ranks did not all meet within {timeout:g} s ({where}): "
+                f"{str(exc).rstrip('.')}. Check that every rank was started, with the same "
+                "MASTER_ADDR/MASTER_PORT and WORLD_SIZE.")
+        return PhalanxError(f"phalanx.init: the torch.distributed rendezvous failed ({where}): {exc}")
+
+    def _node_ranks(self, timeout: float) -> tuple[int, int]:
+        local, count = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+        if local.isdigit() and count.isdigit():
+            return int(local), int(count)
+        if self._store is None:  # only with a user's process group on an old torch: assume one node
+            return self.rank, self.size
+        me = socket.gethostname()  # no launcher said: count the ranks on this host, in rank order
+        keys = [f"phalanx/host/{r}" for r in range(self.size)]
+        self._store.set(keys[self.rank], me)
+        self._store.wait(keys, timedelta(seconds=timeout))
+        multi_get = getattr(self._store, "multi_get", None)  # one round trip, where torch has it
+        hosts = multi_get(keys) if multi_get is not None else [self._store.get(k) for k in keys]
+        here = [r for r, h in enumerate(hosts) if h.decode() == me]
+        return here.index(self.rank), len(here)
+
+    def _pick_device(self, devices: list[Any] | None) -> Any:
+        torch = self._torch
+        if devices is None:
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        if self.local_rank >= len(devices):
+            raise ValueError(f"phalanx.init(devices={devices!r}) lists {len(devices)} devices but this "
+                             f"node runs local rank {self.local_rank}; give one device per rank on the node.")
+        chosen = devices[self.local_rank]
+        device = torch.device("cuda", chosen) if isinstance(chosen, int) else torch.device(chosen)
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+    # -- buffers ------------------------------------------------------------------
+    def _tensor(self, a: Any) -> Any:
+        """A torch view of a NumPy array (zero-copy), or the tensor itself."""
+        if not isinstance(a, np.ndarray):
+            return a
+        if a.dtype.name == "bfloat16":  # ml_dtypes (JAX): NumPy's bfloat16 is not torch's, so via bits
+            return self._tensor(a.view(np.int16)).view(self._torch.bfloat16)
+        if a.flags.writeable:
+            return self._torch.from_numpy(a)
+        with warnings.catch_warnings():  # only ever a send buffer: nothing writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            return self._torch.from_numpy(a)
+
+    def _reduce_dtype(self, t: Any, op: str | None) -> Any:
+        """The dtype the transport reduces ``t`` in (see the module docstring)."""
+        torch = self._torch
+        if op is None:
+            return t.dtype
+        if t.dtype == torch.int16:
+            return torch.int32
+        if op == "avg" and not self._nccl and t.dtype in (torch.float16, torch.bfloat16):
+            return torch.float32
+        return t.dtype
+
+    def _work(self, x: Any, inplace: bool, op: str | None = None) -> tuple[Any, Callable[[Any], Any]]:
+        """(tensor the transport works on in place, finish(tensor) -> the user's result).
+
+        ``x``'s own memory where it can be; else a copy on the transport's
+        device in the reduction dtype, which ``finish`` writes back into ``x``.
+        """
+        if not inplace:
+            x = x.copy() if isinstance(x, np.ndarray) else x.clone()
+        src = self._tensor(x)
+        dtype = self._reduce_dtype(src, op)
+        if src.device == self.device and dtype == src.dtype:
+            return src, lambda t: x
+        staged = src.to(device=self.device, dtype=dtype)
+
+        def write_back(t: Any) -> Any:
+            src.copy_(t)
+            return x
+
+        return staged, write_back
+
+    def _send(self, x: Any, op: str | None = None) -> Any:
+        """``x`` as a send buffer on the transport's device (a view when possible; never written)."""
+        src = self._tensor(x)
+        return src.to(device=self.device, dtype=self._reduce_dtype(src, op))
+
+    def _output(self, x: Any, send: Any, shape: tuple[int, ...]) -> tuple[Any, Callable[[], Any]]:
+        """(tensor the transport writes a new result into, finish() -> the user's result)."""
+        if isinstance(x, np.ndarray) and not self._nccl:
+            arr = np.empty(shape, x.dtype)
+            return self._tensor(arr), lambda: arr
+        out = self._torch.empty(shape, dtype=send.dtype, device=self.device)
+        return out, lambda: self._user(x, out)
+
+    def _user(self, like: Any, t: Any) -> Any:
+        """A new result ``t`` as ``like``'s kind, dtype and device."""
+        if not isinstance(like, np.ndarray):
+            return t.to(device=like.device, dtype=like.dtype)
+        if t.device.type == "cpu" and like.dtype.name != "bfloat16":
+            return t.numpy().astype(like.dtype, copy=False)
+        out = np.empty(tuple(t.shape), like.dtype)
+        self._tensor(out).copy_(t)
+        return out
+
+    def _bits(self, t: Any) -> Any:
+        """Neither transport has int16; moves only copy bytes, so send its bits as float16."""
+        return t.view(self._torch.float16) if t.dtype == self._torch.int16 else t
+
+    def _scale(self, t: Any, op: str) -> None:
+        if op == "avg" and not self._nccl:
+            t.div_(self.size)
+
+    @_translating
+    def _wait(self, work: Any, timeout: float) -> None:
+        """Wait for ``work`` at most ``timeout`` s; its failure as WaitTimeout or PeerLost."""
+        if self._nccl:
+            poll(work.is_completed, timeout)  # never blocks the host on a kernel that cannot finish
+            work.wait()
+        else:
+            work.wait(timedelta(seconds=timeout))
+
+    def _request(self, post: Callable[[], Any], finish: Callable[[], Any]) -> _Request:
+        try:
+            return _Request(self, post(), finish)
+        except RuntimeError as exc:  # a failure to post is raised by wait(), like any other
+            failure = _translate(exc)
+            if failure is None:
+                raise
+            return _Request(self, None, finish, failure)
+
+    # -- agreement ------------------------------------------------------------
+    @_translating
+    def agree(self, signature: int, timeout: float) -> bool:
+        chk = self._chk
+        chk[0] = signature
+        chk[1] = -signature
+        if self._nccl:
+            self._chk_dev.copy_(self._chk_t)
+        self._wait(self._dist.all_reduce(self._chk_dev, self._dist.ReduceOp.MAX, async_op=True), timeout)
+        if self._nccl:
+            self._chk_t.copy_(self._chk_dev)
+        return bool(chk[0] == signature and chk[1] == -signature)
+
+    def iagree(self, signature: int) -> _Request:
+        mine = self._torch.tensor([signature, -signature], dtype=self._torch.int64)
+        out = mine.to(self.device, copy=True)
+        return self._request(lambda: self._dist.all_reduce(out, self._dist.ReduceOp.MAX, async_op=True),
+                             lambda: bool(self._torch.equal(out.cpu(), mine)))
+
+    @_translating
+    def allgather_bytes(self, payload: bytes, timeout: float) -> list[bytes]:
+        sizes = self.allgather(np.array(len(payload), np.int64), timeout).tolist()
+        padded = np.zeros(max(sizes), np.uint8)
+        padded[:len(payload)] = np.frombuffer(payload, np.uint8)
+        rows = self.allgather(padded, timeout)
+        return [rows[r, :n].tobytes() for r, n in enumerate(sizes)]
+
+    @_translating
+    def broadcast_bytes(self, payload: bytes | None, root: int, timeout: float) -> bytes:
+        mine = payload if self.rank == root and payload is not None else b""
+        size = self.broadcast(np.array(len(mine), np.int64), root, True, timeout)
+        buf = np.frombuffer(mine, np.uint8).copy() if self.rank == root else np.empty(int(size), np.uint8)
+        return self.broadcast(buf, root, True, timeout).tobytes()
+
+    def diagnose(self, call: str, call_index: int, grace: float) -> tuple[list[int], dict[int, str]]:
+        """Leave this rank's stuck call in the store; read the peers' reports for ``grace`` s."""
+        store = self._store
+        if store is None:
+            raise PhalanxError("no store to ask (the process group was made without one)")
+        store.set_timeout(timedelta(seconds=max(grace, 0.1)))  # every store call is bounded too
+        prefix = f"phalanx/stuck/{self._generation}/"
+        store.set(f"{prefix}{self.rank}", json.dumps({"call": call, "index": call_index}))
+        reports: dict[int, dict[str, Any]] = {}
+        waiting = [r for r in range(self.size) if r != self.rank]
+        deadline = time.monotonic() + grace
+        while waiting and time.monotonic() < deadline:
+            for r in [r for r in waiting if store.check([f"{prefix}{r}"])]:
+                reports[r] = json.loads(store.get(f"{prefix}{r}"))
+                waiting.remove(r)
+            if waiting:
+                time.sleep(0.02)
+        elsewhere = {r: f"{rep['call']} (call #{rep['index']})" for r, rep in reports.items()
+                     if rep["call"] != call or rep["index"] != call_index}
+        return waiting, elsewhere
+
+    # -- data -----------------------------------------------------------------
+    @_translating
+    def allreduce(self, x: Any, op: str, inplace: bool, timeout: float) -> Any:
+        t, finish = self._work(x, inplace, op)
+        self._wait(self._dist.all_reduce(t, self._ops[op], async_op=True), timeout)
+        self._scale(t, op)
+        return finish(t)
+
+    def iallreduce(self, x: Any, op: str, inplace: bool) -> _Request:
+        t, finish = self._work(x, inplace, op)
+
+        def complete() -> Any:
+            self._scale(t, op)
+            return finish(t)
+
+        return self._request(lambda: self._dist.all_reduce(t, self._ops[op], async_op=True), complete)
+
+    @_translating
+    def broadcast(self, x: Any, root: int, inplace: bool, timeout: float) -> Any:
+        t, finish = self._work(x, inplace)
+        self._wait(self._dist.broadcast(self._bits(t), root, async_op=True), timeout)
+        return finish(t)
+
+    def ibroadcast(self, x: Any, root: int, inplace: bool) -> _Request:
+        t, finish = self._work(x, inplace)
+        return self._request(lambda: self._dist.broadcast(self._bits(t), root, async_op=True),
+                             lambda: finish(t))
+
+    @_translating
+    def reduce(self, x: Any, op: str, root: int, inplace: bool, timeout: float) -> Any:
+        if self.rank != root:  # gloo writes partial results into non-root buffers: give it a copy
+            src = self._tensor(x)
+            t = self._send(src, op)
+            t = t.clone() if t is src else t
+            self._wait(self._dist.reduce(t, root, self._ops[op], async_op=True), timeout)
+            return x
+        t, finish = self._work(x, inplace, op)
+        self._wait(self._dist.reduce(t, root, self._ops[op], async_op=True), timeout)
+        self._scale(t, op)
+        return finish(t)
+
+    @_translating
+    def allgather(self, x: Any, timeout: float) -> Any:
+        send = self._send(x)
+        out, finish = self._output(x, send, (self.size, *send.shape))
+        self._wait(self._all_gather(self._bits(out).view(-1), self._bits(send).reshape(-1), async_op=True),
+                   timeout)
+        return finish()
+
+    @_translating
+    def gather(self, x: Any, root: int, timeout: float) -> Any:
+        send = self._send(x)
+        if self.rank != root:
+            self._wait(self._dist.gather(self._bits(send), None, root, async_op=True), timeout)
+            return None
+        out, finish = self._output(x, send, (self.size, *send.shape))
+        parts = list(self._bits(out).unbind(0))
+        self._wait(self._dist.gather(self._bits(send), parts, root, async_op=True), timeout)
+        return finish()
+
+    @_translating
+    def reduce_scatter(self, x: Any, op: str, timeout: float) -> Any:
+        send = self._send(x, op)
+        out = self._torch.empty((send.shape[0] // self.size, *send.shape[1:]), dtype=send.dtype,
+                                device=self.device)
+        self._wait(self._reduce_scatter(out.view(-1), send.reshape(-1), self._ops[op], async_op=True),
+                   timeout)
+        self._scale(out, op)
+        return self._user(x, out)
+
+    @_translating
+    def alltoall(self, x: Any, timeout: float) -> Any:
+        send = self._send(x)
+        out, finish = self._output(x, send, tuple(send.shape))
+        self._wait(self._dist.all_to_all_single(self._bits(out).view(-1), self._bits(send).reshape(-1),
+                                                async_op=True), timeout)
+        return finish()
+
+    @_translating
+    def barrier(self, timeout: float) -> None:
+        token = self._torch.zeros(1, device=self.device)  # not dist.barrier: NCCL's guesses a device
+        self._wait(self._dist.all_reduce(token, async_op=True), timeout)
+
+    # -- lifecycle --------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Destroy the process group if this backend made it (a user's own is left alone)."""
+        atexit.unregister(self.shutdown)
+        if self._owns_group and self._dist.is_initialized():
+            with contextlib.suppress(Exception):  # destroying after a failure may itself fail
+                self._dist.destroy_process_group()
+        self._store = None
+
+    def abort(self, code: int) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a closed stream must not stop the abort
+                stream.flush()
+        os._exit(code)
