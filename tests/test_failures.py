@@ -31,6 +31,7 @@ def test_mismatched_calls_raise_on_every_rank(backend: str, n: int) -> None:
         assert "root=0" in messages["root"] and "root=1" in messages["root"]
         assert "broadcast(" in messages["call"] and "allreduce(" in messages["call"]
         assert "barrier(" in messages["skip"] and "same order" in messages["skip"]
+        assert "phalanx.iallreduce" in messages["nonblocking"] and "float64[3]" in messages["nonblocking"]
         ranks_view = {k: v.split("\n")[1:] for k, v in messages.items()}
         assert ranks_view == {k: v.split("\n")[1:] for k, v in results[0].items()}, "all ranks see the same"
 

@@ -81,10 +81,16 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path: Path, backend: str) ->
         time.sleep(60)
     """)
     out = phalanx_cli("run", "-n", "3", "--backend", backend, str(job))
-    assert out.returncode != 0
-    assert "phalanx run: rank 1 failed first" in out.stderr, out.stderr
-    assert "killed by signal 9 (SIGKILL)" in out.stderr
-    assert "ranks 0, 2 stopped by" in out.stderr
+    assert out.returncode == 128 + 9, out.stderr
+    assert "killed by signal 9 (SIGKILL)" in out.stderr, out.stderr
+    if "Hydra kills the other ranks with SIGKILL too" in out.stderr:
+        # MPICH's mpiexec says neither which rank died nor how; the launcher names the first rank it
+        # saw die, and says that this is its best guess (a killed rank can take longer to go than
+        # its peers take to be killed after it): the rank is not asserted.
+        assert "failed first" in out.stderr and "stopped by mpiexec" in out.stderr
+    else:
+        assert "phalanx run: rank 1 failed first" in out.stderr, out.stderr
+        assert "ranks 0, 2 stopped by" in out.stderr
 
 
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])

@@ -10,7 +10,7 @@ import numpy as np
 
 import phalanx
 
-MISMATCHES = ["shape", "same_numel_other_shape", "dtype", "op", "root", "call", "skip"]
+MISMATCHES = ["shape", "same_numel_other_shape", "dtype", "op", "root", "call", "skip", "nonblocking"]
 
 
 def mismatches() -> dict[str, str]:
@@ -26,6 +26,7 @@ def mismatches() -> dict[str, str]:
         "call": lambda: phalanx.allreduce(x) if r == 0 else phalanx.broadcast(x),
         # rank 1 skips the allreduce: its next call (a barrier) pairs with the others' allreduce
         "skip": lambda: phalanx.barrier() if r == 1 else (phalanx.allreduce(x), phalanx.barrier()),
+        "nonblocking": lambda: phalanx.iallreduce(np.ones(2 + r)).wait(),
     }
     messages = {}
     for name in MISMATCHES:

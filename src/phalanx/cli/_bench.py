@@ -147,9 +147,11 @@ def _worker(args: argparse.Namespace) -> int:
         tensor = torch.from_numpy(array)  # the same memory for every implementation
         calls = {name: make(array, tensor) for name, _, make in impls}
         iters = {}
-        for name, world, _ in impls:  # warm up and size the loop from the first implementation
+        for name, world, _ in impls:  # warm up and size each loop to last --min-time
             with _as_global(world or main_world):
-                iters[name] = _calibrate(calls[name], args.min_time, slowest)
+                iters[name] = max(_calibrate(calls[name], args.min_time, slowest) for _ in range(2))
+        for (a, _, _), (b, _, _) in zip(impls[::2], impls[1::2], strict=True):  # a pair runs the same loop
+            iters[a] = iters[b] = max(iters[a], iters[b])
         samples: dict[str, list[float]] = {name: [] for name, _, _ in impls}
         for _ in range(args.repeats):
             for name, world, _ in impls:  # interleaved, so drift on a shared machine hits all alike

@@ -57,7 +57,7 @@ def _probe_mpi() -> dict[str, Any]:
         from phalanx.comm._mpi import detect_gpu_aware
 
         MPI.Init()  # a world of one: MPICH aborts the process if asked about GPUs before MPI_Init
-        found["GPU-aware MPI"] = detect_gpu_aware()
+        found["GPU-aware MPI"] = detect_gpu_aware(MPI)
         MPI.Finalize()
     except Exception as exc:  # noqa: BLE001
         found["GPU-aware MPI"] = f"unknown ({exc})"

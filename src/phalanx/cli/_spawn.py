@@ -10,6 +10,7 @@ SIGTERM to every other rank's group, SIGKILL after a grace period.
 
 from __future__ import annotations
 
+import random
 import socket
 import subprocess
 import sys
@@ -28,7 +29,18 @@ POLL = 0.05
 
 
 def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (rank 0's store binds it)."""
+    """A TCP port that was free on 127.0.0.1 a moment ago (rank 0's store binds it).
+
+    Chosen below Linux's ephemeral range (32768+), where ``bind(0)`` would pick it: there the
+    outgoing connections of other jobs could take it before rank 0 binds it.
+    """
+    for port in random.sample(range(20000, 32768), 32):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

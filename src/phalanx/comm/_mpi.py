@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -75,9 +76,17 @@ def _is_torch(x: Any) -> bool:
     return not isinstance(x, np.ndarray)
 
 
-def detect_gpu_aware() -> bool:
-    """Ask the MPI library whether it accepts CUDA device memory."""
-    lib = ctypes.CDLL(None)
+def detect_gpu_aware(MPI: Any) -> bool:
+    """Ask the (initialized) MPI library whether it accepts CUDA device memory.
+
+    mpi4py loads libmpi privately, so the query functions are looked up
+    through mpi4py's own extension module. MPICH aborts the process if its
+    query runs before ``MPI_Init``: call this only after initialization.
+    """
+    try:
+        lib = ctypes.CDLL(MPI.__file__)
+    except OSError:
+        return False
     query = getattr(lib, "MPIX_Query_cuda_support", None)  # Open MPI
     if query is not None:
         query.restype = ctypes.c_int
@@ -128,6 +137,7 @@ class MPIBackend:
         if not MPI.Is_initialized():
             MPI.Init_thread(MPI.THREAD_MULTIPLE)
         self.MPI = MPI
+        _check_launcher_agrees(MPI.COMM_WORLD.Get_size())
         self.comm = MPI.COMM_WORLD.Dup()
         self._diag = MPI.COMM_WORLD.Dup()
         self.rank = self.comm.Get_rank()
@@ -135,7 +145,7 @@ class MPIBackend:
         node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         node.Free()
-        self.gpu_aware = detect_gpu_aware() if gpu_aware_mpi is None else bool(gpu_aware_mpi)
+        self.gpu_aware = detect_gpu_aware(MPI) if gpu_aware_mpi is None else bool(gpu_aware_mpi)
         self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
         self._bool_ops = {"min": MPI.LAND, "max": MPI.LOR}
         self._chk = np.zeros(2, np.int64)
@@ -371,6 +381,19 @@ class MPIBackend:
 
     def abort(self, code: int) -> None:
         self.MPI.COMM_WORLD.Abort(code)
+
+
+def _check_launcher_agrees(size: int) -> None:
+    """A world of one under an mpiexec that started several ranks means two different MPIs."""
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        launched = os.environ.get(name, "")
+        if launched.isdigit() and int(launched) > 1 and size == 1:
+            raise BackendUnavailableError(
+                f"phalanx backend 'mpi': the launcher started {launched} ranks ({name}) but MPI sees "
+                "a world of 1: mpiexec and the MPI library mpi4py loaded belong to different MPI "
+                "implementations (e.g. Open MPI's mpiexec with MPICH's libmpi). Use the mpiexec "
+                "that matches mpi4py (`phalanx run` picks it), or rebuild mpi4py against your MPI."
+            )
 
 
 def _identity(w: Any) -> Any:
