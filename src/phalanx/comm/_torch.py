@@ -176,8 +176,11 @@ class TorchBackend:
                 torch.cuda.set_device(self.device)
                 os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
             try:
+                # The group's own timeout is a backstop behind phalanx's: if gloo gave up first,
+                # its background thread could end the process while phalanx asks the peers
+                # where they are (a rank dying silently instead of raising the timeout).
                 dist.init_process_group(name, rank=self.rank, world_size=self.size, store=self._store,
-                                        timeout=timedelta(seconds=timeout),
+                                        timeout=timedelta(seconds=timeout + max(30.0, timeout)),
                                         **({"device_id": self.device} if self._nccl else {}))
             except RuntimeError as exc:
                 raise self._rendezvous_error(exc, timeout) from exc
