@@ -17,7 +17,8 @@ import numpy as np
 
 from ._errors import PhalanxError
 
-__all__ = ["DTYPE_CODES", "FLOAT_DTYPES", "Buffer", "UnsupportedArgumentError", "as_buffer"]
+__all__ = ["DTYPE_CODES", "FLOAT_DTYPES", "NATIVE_NUMPY_DTYPES", "Buffer", "UnsupportedArgumentError",
+           "as_buffer"]
 
 
 class UnsupportedArgumentError(PhalanxError, TypeError):
@@ -35,17 +36,21 @@ DTYPE_CODES = {
 FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 # dtype object -> name: ``dtype.name`` builds a new string on every access (microseconds).
 _NUMPY_NAMES = {np.dtype(name): name for name in DTYPE_CODES if name != "bfloat16"}
+# dtypes MPI reduces natively (no widening, no logical ops): backends' fast paths test membership.
+NATIVE_NUMPY_DTYPES = frozenset(np.dtype(n) for n in ("uint8", "int8", "int16", "int32", "int64",
+                                                      "float32", "float64"))
 
 
 class Buffer:
     """One normalized collective argument (see module docstring)."""
 
-    __slots__ = ("data", "dtype", "shape", "inplace", "is_torch", "scalar")
+    __slots__ = ("data", "dtype", "code", "shape", "inplace", "is_torch", "scalar")
 
     def __init__(self, data: Any, dtype: str, shape: tuple[int, ...], inplace: bool,
                  is_torch: bool, scalar: Any = None) -> None:
         self.data = data
         self.dtype = dtype
+        self.code = DTYPE_CODES[dtype]  # the dtype's code in call fingerprints
         self.shape = shape
         self.inplace = inplace
         self.is_torch = is_torch

@@ -79,9 +79,16 @@ def allreduce(x: Any, op: str = "sum") -> Any:
     """
     world = current("allreduce")
     buf = as_buffer(x, "allreduce")
-    _check_op("allreduce", op, buf)
+    if op != "sum" or buf.dtype == "bool":  # the common case skips the op checks
+        _check_op("allreduce", op, buf)
     world.enter("allreduce", buf, op)
-    return buf.finish(_run(world, "allreduce", world.backend.allreduce, buf.data, op, buf.inplace))
+    try:
+        result = world.backend.allreduce(buf.data, op, buf.inplace, world.timeout)
+    except WaitTimeout:
+        raise world.timed_out("allreduce") from None
+    except PeerLost as exc:
+        raise world.peer_lost("allreduce", exc) from None
+    return result if buf.scalar is None else buf.finish(result)
 
 
 def broadcast(x: Any, root: int = 0) -> Any:

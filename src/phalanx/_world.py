@@ -22,7 +22,7 @@ import zlib
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from ._arrays import DTYPE_CODES, Buffer
+from ._arrays import Buffer
 from ._errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
@@ -81,7 +81,11 @@ class World:
         self.calls += 1
         if not self.check:
             return
-        signature = self.signature(call, buf, op, root)
+        if buf is None or self.debug:
+            signature = self.signature(call, buf, op, root)
+        else:  # signature() inlined: this is every checked call's hot path
+            signature = hash((CALL_CODES[call], OP_CODES[op] if op else -1, root, buf.code,
+                              buf.shape)) & _MASK
         try:
             same = self.backend.agree(signature, self.timeout)
         except WaitTimeout:
@@ -92,10 +96,12 @@ class World:
             self.explain_mismatch(call, buf, op, root)
 
     def signature(self, call: str, buf: Buffer | None, op: str | None, root: int) -> int:
-        key = (CALL_CODES[call], OP_CODES.get(op, -1) if op else -1, root,
-               DTYPE_CODES[buf.dtype] if buf is not None else -1,
-               buf.shape if buf is not None else ())
-        signature = hash(key)  # ints and tuples of ints hash the same in every process
+        # Codes, not names: str hashes are salted per process, ints and tuples of ints are not.
+        if buf is None:
+            key: tuple[Any, ...] = (CALL_CODES[call], OP_CODES[op] if op else -1, root)
+        else:
+            key = (CALL_CODES[call], OP_CODES[op] if op else -1, root, buf.code, buf.shape)
+        signature = hash(key)
         if self.debug:
             signature ^= zlib.crc32(_call_site().encode()) << 20
         return signature & _MASK

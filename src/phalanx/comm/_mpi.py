@@ -19,6 +19,8 @@ Design notes (why, not what):
 
 from __future__ import annotations
 
+import array
+import contextlib
 import ctypes
 import json
 import os
@@ -29,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .._arrays import NATIVE_NUMPY_DTYPES
 from .._errors import BackendUnavailableError
 from ._wait import poll
 
@@ -148,8 +151,15 @@ class MPIBackend:
         self.gpu_aware = detect_gpu_aware(MPI) if gpu_aware_mpi is None else bool(gpu_aware_mpi)
         self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
         self._bool_ops = {"min": MPI.LAND, "max": MPI.LOR}
-        self._chk = np.zeros(2, np.int64)
-        self._chk_out = np.zeros(2, np.int64)
+        self._max = MPI.MAX
+        self._in_place = MPI.IN_PLACE
+        self._chk = array.array("q", [0, 0])
+        self._chk_out = array.array("q", [0, 0])
+        # A persistent collective (MPI-4) skips argument parsing on every call: ~1 us instead of ~2.5.
+        try:
+            self._agreement: Any = self.comm.Allreduce_init(self._chk, self._chk_out, MPI.MAX)
+        except (NotImplementedError, MPI.Exception, AttributeError):
+            self._agreement = None
 
     def __repr__(self) -> str:
         return f"<phalanx mpi backend rank {self.rank}/{self.size}>"
@@ -183,6 +193,8 @@ class MPIBackend:
         widened to float32 and CUDA memory staged on the host when MPI is not
         GPU-aware. Also a valid send buffer (finish is then not called).
         """
+        if inplace and type(x) is np.ndarray and x.dtype in NATIVE_NUMPY_DTYPES:
+            return x, _identity  # the common case first
         if isinstance(x, np.ndarray):
             if x.dtype == _F16:
                 if not inplace:
@@ -228,12 +240,18 @@ class MPIBackend:
 
     # -- agreement ------------------------------------------------------------
     def agree(self, signature: int, timeout: float) -> bool:
+        # array.array, not NumPy: item access is several times cheaper, and this is the hot path.
         chk, out = self._chk, self._chk_out
         chk[0] = signature
         chk[1] = -signature
-        req = self.comm.Iallreduce(chk, out, self.MPI.MAX)
-        poll(req.Test, timeout)
-        return bool(out[0] == signature and out[1] == -signature)
+        req = self._agreement
+        if req is None:
+            req = self.comm.Iallreduce(chk, out, self._max)
+        else:
+            req.Start()
+        if not req.Test():
+            poll(req.Test, timeout)
+        return out[0] == signature and out[1] == -signature
 
     def iagree(self, signature: int) -> _Request:
         chk = np.array([signature, -signature], np.int64)
@@ -283,8 +301,13 @@ class MPIBackend:
 
     # -- data -----------------------------------------------------------------
     def allreduce(self, x: Any, op: str, inplace: bool, timeout: float) -> Any:
+        if inplace and type(x) is np.ndarray and x.dtype in NATIVE_NUMPY_DTYPES:  # the hot path
+            self.comm.Allreduce(self._in_place, x, self._ops[op])
+            if op == "avg":
+                x /= self.size
+            return x
         work, finish = self._reduction_work(x, inplace)
-        self.comm.Allreduce(self.MPI.IN_PLACE, work, self._mpi_op(work, op))
+        self.comm.Allreduce(self._in_place, work, self._mpi_op(work, op))
         if op == "avg":
             work /= self.size
         return finish(work)
@@ -373,6 +396,9 @@ class MPIBackend:
 
     # -- lifecycle --------------------------------------------------------------
     def shutdown(self) -> None:
+        if self._agreement is not None:
+            with contextlib.suppress(Exception):
+                self._agreement.Free()
         for comm in (self.comm, self._diag):
             try:
                 comm.Free()
