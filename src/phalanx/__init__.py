@@ -29,18 +29,23 @@ from ._collectives import (
     reduce,
     reduce_scatter,
 )
+from ._data import DistributedDataContainer
 from ._errors import (
     BackendUnavailableError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    InvalidArgumentError,
     LaunchEnvironmentError,
     NotInitializedError,
     PhalanxError,
     RankFailedError,
+    UsageError,
     WorldBrokenError,
 )
+from ._gradients import allreduce_gradients
 from ._output import RankFilter, print, setup_logging
 from ._settings import settings
+from ._sync import synchronize
 from ._world import (
     backend,
     device,
@@ -59,18 +64,22 @@ __all__ = [
     "BackendUnavailableError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "DistributedDataContainer",
     "Handle",
+    "InvalidArgumentError",
     "LaunchEnvironmentError",
     "NotInitializedError",
     "PhalanxError",
     "RankFailedError",
     "RankFilter",
     "UnsupportedArgumentError",
+    "UsageError",
     "WorldBrokenError",
     "__version__",
     "allgather",
     "allgather_object",
     "allreduce",
+    "allreduce_gradients",
     "alltoall",
     "backend",
     "barrier",
@@ -92,4 +101,5 @@ __all__ = [
     "setup_logging",
     "shutdown",
     "size",
+    "synchronize",
 ]

@@ -12,10 +12,12 @@ __all__ = [
     "BackendUnavailableError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "InvalidArgumentError",
     "LaunchEnvironmentError",
     "NotInitializedError",
     "PhalanxError",
     "RankFailedError",
+    "UsageError",
     "WorldBrokenError",
 ]
 
@@ -78,3 +80,12 @@ class RankFailedError(PhalanxError, RuntimeError):
 
 class WorldBrokenError(PhalanxError, RuntimeError):
     """The world was left unusable by an earlier failure (a timeout or a dead rank)."""
+
+
+class InvalidArgumentError(PhalanxError, ValueError):
+    """An argument has a value phalanx cannot use (an unknown op, a negative bucket size, ...)."""
+
+
+class UsageError(PhalanxError, RuntimeError):
+    """A phalanx object was used out of order, e.g. ``zero_grad()`` while gradient reductions
+    are in flight, or two gradient wrappers on the same parameters."""

@@ -153,8 +153,11 @@ def _worker(args: argparse.Namespace) -> int:
         for (a, _, _), (b, _, _) in zip(impls[::2], impls[1::2], strict=True):  # a pair runs the same loop
             iters[a] = iters[b] = max(iters[a], iters[b])
         samples: dict[str, list[float]] = {name: [] for name, _, _ in impls}
-        for _ in range(args.repeats):
-            for name, world, _ in impls:  # interleaved, so drift on a shared machine hits all alike
+        for repeat in range(args.repeats):
+            # Interleaved, so drift on a shared machine hits all alike, and rotated, so no
+            # implementation always runs right after the same other one.
+            k = repeat % len(impls)
+            for name, world, _ in impls[k:] + impls[:k]:
                 with _as_global(world or main_world):
                     samples[name].append(_time(calls[name], iters[name], slowest))
         row = {"bytes": count * 4, "iterations": iters,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Mapping
 
@@ -21,6 +22,10 @@ def detect_backend(env: Mapping[str, str] | None = None) -> str:
     if chosen:
         return chosen
     if any(name in env for name in _MPI_VARS):
+        # A DataLoader worker (forkserver/spawn) re-imports the script with its rank's MPI
+        # variables, but a child process can never join the MPI job: it is a world of one.
+        if env is os.environ and multiprocessing.parent_process() is not None:
+            return "local"
         return "mpi"
     if int(env.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_PROCID" in env:
         return "mpi"

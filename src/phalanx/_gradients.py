@@ -1,0 +1,124 @@
+"""``phalanx.allreduce_gradients``: reduce gradients in a hand-written training loop.
+
+::
+
+    loss.backward()
+    phalanx.allreduce_gradients(model)              # every p.grad: the mean over ranks
+    opt.step()
+
+    grads = phalanx.allreduce_gradients([gw, gb])   # NumPy arrays or tensors, in place
+    grads = phalanx.allreduce_gradients({"w": gw})  # or a dict of them
+
+One fused allreduce per dtype (and device): the gradients are flattened into
+one buffer, reduced, and copied back in place. ``op="avg"`` (default) is the
+mean over ranks, ``op="sum"`` the sum (FluxMPI's convention).
+
+For a ``torch.nn.Module``, the gradients of its trainable parameters are
+reduced; a parameter without a gradient on this rank contributes zeros, and
+gets the reduced gradient if any rank had one (if none had, it keeps
+``grad=None``, as in single-process torch). Every rank must pass the same
+structure (the per-call check of the allreduce catches a different total
+size or dtype).
+
+This is the simple, blocking form; :class:`phalanx.torch.DistributedOptimizer`
+and :class:`phalanx.torch.DataParallel` overlap the reduction with backward.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ._arrays import UnsupportedArgumentError
+from ._collectives import allreduce
+from ._errors import InvalidArgumentError
+
+__all__ = ["allreduce_gradients"]
+
+
+def allreduce_gradients(model_or_grads: Any, op: str = "avg") -> Any:
+    """Reduce gradients across ranks in place and return what was passed (module docstring)."""
+    if op not in ("avg", "sum"):
+        raise InvalidArgumentError(f"phalanx.allreduce_gradients(op={op!r}): use op='avg' (the mean over "
+                                   "ranks, the default) or op='sum'.")
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(model_or_grads, torch.nn.Module):
+        _reduce_module(torch, model_or_grads, op)
+        return model_or_grads
+    if isinstance(model_or_grads, (np.ndarray, str, bytes)) or (
+            torch is not None and isinstance(model_or_grads, torch.Tensor)):
+        raise UnsupportedArgumentError(
+            "phalanx.allreduce_gradients: pass a module, or a list or dict of gradients, e.g. "
+            "`allreduce_gradients([g])` for a single array (or use phalanx.allreduce(g, op='avg')).")
+    values = list(model_or_grads.values() if isinstance(model_or_grads, Mapping) else model_or_grads)
+    for i, g in enumerate(values):
+        _check_leaf(torch, i, g)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, g in enumerate(values):
+        key = ("numpy", g.dtype) if isinstance(g, np.ndarray) else ("torch", g.dtype, g.device)
+        groups.setdefault(key, []).append(i)
+    for key, indices in groups.items():
+        items = [values[i] for i in indices]
+        if key[0] == "numpy":
+            flat = allreduce(np.concatenate([a.ravel() for a in items]), op=op)
+            offset = 0
+            for a in items:
+                np.copyto(a, flat[offset:offset + a.size].reshape(a.shape))
+                offset += a.size
+        else:
+            with torch.no_grad():
+                flat = allreduce(torch.cat([t.reshape(-1) for t in items]), op=op)
+                parts = torch.split(flat, [t.numel() for t in items])
+                torch._foreach_copy_(items, [part.view(t.shape) for part, t in zip(parts, items, strict=True)])
+    return model_or_grads if isinstance(model_or_grads, Mapping) else values
+
+
+def _check_leaf(torch: Any, i: int, g: Any) -> None:
+    if isinstance(g, np.ndarray):
+        if not g.flags.writeable:
+            raise UnsupportedArgumentError(
+                f"phalanx.allreduce_gradients: gradient #{i} is a read-only array, which cannot be "
+                "reduced in place. Pass a writable copy (`np.array(g)`).")
+        return
+    if torch is not None and isinstance(g, torch.Tensor):
+        return
+    raise UnsupportedArgumentError(
+        f"phalanx.allreduce_gradients: gradient #{i} is a {type(g).__module__}.{type(g).__qualname__}; "
+        "pass NumPy arrays or torch tensors (a missing gradient can only be filled in for a module: "
+        "pass the module itself).")
+
+
+def _reduce_module(torch: Any, model: Any, op: str) -> None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups: dict[tuple[Any, Any], list[Any]] = {}
+    for p in params:
+        groups.setdefault((p.dtype, p.device), []).append(p)
+    with torch.no_grad():
+        for (dtype, device), members in groups.items():
+            numel = sum(p.numel() for p in members)
+            # The gradients, then one presence slot per parameter: 0 where this rank has no gradient.
+            flat = torch.empty(numel + len(members), dtype=dtype, device=device)
+            presence = flat[numel:]
+            presence.fill_(1)
+            offset = 0
+            for j, p in enumerate(members):
+                part = flat[offset:offset + p.numel()]
+                if p.grad is None:
+                    part.zero_()
+                    presence[j] = 0
+                else:
+                    part.copy_(p.grad.reshape(-1))
+                offset += p.numel()
+            allreduce(flat, op=op)
+            seen = presence.tolist()
+            offset = 0
+            for j, p in enumerate(members):
+                part = flat[offset:offset + p.numel()].view(p.shape)
+                if p.grad is not None:
+                    p.grad.copy_(part)
+                elif seen[j] > 0:
+                    p.grad = part.clone()
+                offset += p.numel()

@@ -1,0 +1,32 @@
+"""phalanx.torch: the PyTorch adapter (importing it imports torch).
+
+::
+
+    import phalanx, phalanx.torch
+    sampler = phalanx.torch.DistributedSampler(dataset, seed=0)
+    opt = phalanx.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    model = phalanx.torch.DataParallel(phalanx.torch.convert_sync_batchnorm(model))  # or this
+"""
+
+from __future__ import annotations
+
+# gradient reduction (DistributedOptimizer, DataParallel)
+from ._optimizer import DistributedOptimizer
+from ._parallel import DataParallel
+
+# data loading (DistributedSampler, dataloader_context)
+from ._sampler import DistributedSampler, dataloader_context
+
+# SyncBatchNorm
+from ._syncbn import SyncBatchNorm, convert_sync_batchnorm
+
+__all__ = [
+    # data loading
+    "DistributedSampler",
+    "dataloader_context",
+    # gradient reduction and SyncBatchNorm
+    "DataParallel",
+    "DistributedOptimizer",
+    "SyncBatchNorm",
+    "convert_sync_batchnorm",
+]

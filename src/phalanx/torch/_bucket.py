@@ -1,0 +1,361 @@
+"""The gradient bucket engine behind DistributedOptimizer and DataParallel.
+
+::
+
+    buckets = GradientBuckets(params, names, call="torch.DataParallel")   # op="avg", 25 MB buckets
+    loss.backward()       # reduced while backward runs; when it returns every .grad is reduced
+    buckets.reduce()      # reduce now what backward did not (no_sync passes, a rank without backward)
+    buckets.close()       # remove the hooks
+
+**Buckets.** The trainable parameters (``requires_grad=True``) are assigned,
+in *reverse* order (gradients become ready roughly back to front), to buckets
+of one dtype and device each: the first about 1 MB, so communication starts
+early, then ``bucket_cap_mb``. Each bucket is one flat buffer, allocated once,
+holding the gradients plus one *presence* slot per parameter (below); with
+``compression`` also a 16-bit copy, allocated once. Nothing is allocated per step.
+
+**Gradients are views into the buckets** (DDP's ``gradient_as_bucket_view``):
+after its first gradient, ``p.grad`` is a view of its bucket, autograd
+accumulates into it in place and the reduction needs no copy in or out. After
+``zero_grad(set_to_none=True)`` autograd makes a fresh ``.grad``; the hook
+copies it into the bucket once and points ``.grad`` back at the view. So
+``zero_grad(set_to_none=False)`` is copy-free, ``set_to_none=True`` costs one
+copy per step (as in DDP), and both are correct.
+
+**Reduction.** A ``post_accumulate_grad`` hook per parameter marks it ready;
+buckets are launched asynchronously through the backend, always in bucket
+order (the same on every rank, so MPI pairs them right), as soon as they and
+all earlier buckets are ready; later hooks poll the ones in flight so MPI
+makes progress. At the end of backward (an autograd-engine callback) the
+remaining buckets are launched and all are waited for. So when
+``loss.backward()`` returns, gradients are reduced: clipping, ``GradScaler``
+and logging between backward and ``step()`` see reduced gradients, and
+nothing touches a buffer while it is on the wire.
+
+**Missing gradients.** A parameter that got no gradient on this rank
+contributes zeros: every rank reduces every bucket, so nothing hangs. Its
+presence slot is 0 (1 otherwise); after the reduction a parameter whose
+summed presence is 0 had no gradient on *any* rank and keeps ``.grad = None``,
+exactly as in single-process torch (so optimizers skip it).
+
+**Averaging.** ``op="avg"`` scales each bucket by ``1/size`` before summing
+(no overflow in 16 bits); ``op="sum"`` sums. Reducing already-reduced values
+again is harmless with ``avg`` (they are the same on every rank), so several
+backward passes before a step are correct, just slower than ``no_sync``.
+
+**Compression.** ``"bf16"``/``"fp16"`` cast each bucket (after the scaling)
+into its 16-bit copy, reduce that and cast back: gloo and NCCL sum 16 bits
+natively, so half the bytes travel. MPI has no 16-bit float sum (phalanx's
+MPI backend widens halves to float32), so on MPI it is ignored, with a warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.autograd import Variable
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .._errors import InvalidArgumentError, UsageError
+from .._world import current
+from ._common import backend_call, verify_same_structure
+
+__all__ = ["GradientBuckets", "check_options"]
+
+FIRST_BUCKET_MB = 1.0
+_COMPRESSION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# parameter -> the engine reducing it (by identity: a Tensor's == is elementwise)
+_OWNER = WeakIdKeyDictionary()
+
+
+def check_options(call: str, op: Any, bucket_cap_mb: Any, compression: Any) -> None:
+    if op not in ("avg", "sum"):
+        raise InvalidArgumentError(f"phalanx.{call}(op={op!r}): gradients are averaged (op='avg', the "
+                                   "default) or summed (op='sum').")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise InvalidArgumentError(f"phalanx.{call}(bucket_cap_mb={bucket_cap_mb!r}): give the bucket size "
+                                   "in MB as a positive number (default 25).")
+    if compression is not None and compression not in _COMPRESSION:
+        raise InvalidArgumentError(f"phalanx.{call}(compression={compression!r}): use None (full "
+                                   "precision), 'bf16' or 'fp16'.")
+
+
+class _Bucket:
+    __slots__ = ("params", "flat", "presence", "wire", "request", "absent")
+
+    def __init__(self, params: list[int], flat: torch.Tensor, presence: torch.Tensor,
+                 wire: torch.Tensor | None) -> None:
+        self.params = params      # parameter indices, in layout order
+        self.flat = flat          # gradients, then one presence slot per parameter
+        self.presence = presence  # view of the slots
+        self.wire = wire          # 16-bit copy of flat when compressed
+        self.request: Any = None  # the backend request in flight
+        self.absent: list[int] = []  # positions (in params) with no local gradient this cycle
+
+
+class GradientBuckets:
+    """Reduces the gradients of ``params`` across ranks during backward (see the module docstring).
+
+    ``names`` label the parameters in errors. ``call`` is the public name
+    used in messages (``"torch.DataParallel"``). ``passes_per_reduction``
+    backward passes accumulate locally before one reduces (set ``sync`` to
+    False for passes that must not count, as ``no_sync()`` does).
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], *, call: str, op: str = "avg",
+                 bucket_cap_mb: float = 25, compression: str | None = None,
+                 passes_per_reduction: int = 1) -> None:
+        check_options(call, op, bucket_cap_mb, compression)
+        self.call = call
+        self._world = world = current(call)
+        pairs = [(p, n) for p, n in zip(params, names, strict=True) if p.requires_grad]
+        self._params = [p for p, _ in pairs]
+        verify_same_structure(call, [f"{n} {str(p.dtype)[6:]}{list(p.shape)} {p.device.type}"
+                                     for p, n in pairs])
+        self._scale = 1.0 / world.size if op == "avg" else 1.0
+        if compression and world.backend.name == "mpi" and world.size > 1:
+            # MPI has no 16-bit float sum: the backend would widen the bucket to float32 again, which
+            # saves no bytes and cost +40% step time (benchmarks/train_step.py): send full precision.
+            warnings.warn(
+                f"phalanx.{call}(compression={compression!r}) is ignored on the mpi backend: MPI has no "
+                "16-bit float reduction, so 16-bit buckets would travel as float32 anyway (slower, no bytes "
+                "saved). Gradients are reduced in full precision; compression saves bytes on gloo and nccl.",
+                stacklevel=3)
+            compression = None
+        self.sync = True
+        self.passes_per_reduction = passes_per_reduction
+        self._build(bucket_cap_mb, _COMPRESSION.get(compression) if compression else None)
+        count = len(self._params)
+        self._stamp = [-1] * count  # the cycle in which each parameter was marked ready
+        self._cycle = 0
+        self._remaining = [len(b.params) for b in self._buckets]
+        self._launched = 0  # buckets launched in the open cycle (always a prefix)
+        self._tested = 0    # buckets known complete in the open cycle (a prefix)
+        self._open = False  # a reduction cycle has started and not finished
+        self._task = -1     # the autograd graph task of the current backward pass
+        self._syncing = False
+        self._passes = 0    # backward passes accumulated since the last reduction
+        self.reductions = 0
+        self.unreduced = False  # local gradients changed by a pass that did not reduce
+        self._claim()
+        ref = weakref.ref(self)
+        handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref, i))
+                   for i, p in enumerate(self._params)]
+        self._finalizer = weakref.finalize(self, _remove, handles)
+
+    # -- layout ---------------------------------------------------------------
+    def _build(self, cap_mb: float, wire_dtype: torch.dtype | None) -> None:
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        made: dict[tuple[torch.dtype, torch.device], int] = {}
+        closed: list[tuple[int, list[int]]] = []  # (order of opening, indices)
+        opened: dict[tuple[torch.dtype, torch.device], int] = {}
+        serial = 0
+        for i in reversed(range(len(self._params))):
+            p = self._params[i]
+            key = (p.dtype, p.device)
+            if key not in groups:
+                groups[key], sizes[key], opened[key] = [], 0, serial
+                serial += 1
+            groups[key].append(i)
+            sizes[key] += p.numel() * p.element_size()
+            limit = (min(FIRST_BUCKET_MB, cap_mb) if made.get(key, 0) == 0 else cap_mb) * 2**20
+            if sizes[key] >= limit:
+                closed.append((opened[key], groups.pop(key)))
+                made[key] = made.get(key, 0) + 1
+        closed.extend((opened[k], g) for k, g in groups.items())
+        closed.sort(key=lambda t: t[0])
+        self._buckets: list[_Bucket] = []
+        self._bucket_of = [0] * len(self._params)
+        self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
+        for b, (_, indices) in enumerate(closed):
+            first = self._params[indices[0]]
+            numel = sum(self._params[i].numel() for i in indices)
+            flat = torch.zeros(numel + len(indices), dtype=first.dtype, device=first.device)
+            offset = 0
+            for i in indices:
+                p = self._params[i]
+                self._views[i] = flat[offset:offset + p.numel()].view(p.shape)
+                self._bucket_of[i] = b
+                offset += p.numel()
+            compress = wire_dtype is not None and first.dtype.itemsize > 2
+            wire = torch.empty(flat.numel(), dtype=wire_dtype, device=first.device) if compress else None
+            self._buckets.append(_Bucket(indices, flat, flat[numel:], wire))
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Bytes of gradients per bucket, in launch order (for tests and tuning)."""
+        return [(b.flat.numel() - len(b.params)) * b.flat.element_size() for b in self._buckets]
+
+    def _claim(self) -> None:
+        """Make this engine the only one reducing its parameters (a newer wrapper takes over)."""
+        older = {id(e): e for p in self._params if (e := _OWNER.get(p)) is not None and not e.closed}
+        for engine in older.values():
+            mine = {id(p) for p in self._params}
+            if any(id(p) not in mine for p in engine._params):
+                raise UsageError(
+                    f"phalanx.{self.call}: some of these parameters are already reduced by a "
+                    f"phalanx.{engine.call} that also reduces others. Wrap either the model "
+                    "(phalanx.torch.DataParallel) or its optimizer (phalanx.torch.DistributedOptimizer), "
+                    "not both, or call .close() on the earlier wrapper first.")
+            engine.close()
+            warnings.warn(f"phalanx.{self.call} takes over the gradient reduction of parameters that an "
+                          f"earlier phalanx.{engine.call} reduced; the earlier wrapper no longer reduces "
+                          "them (wrap either the model or the optimizer, not both).", stacklevel=4)
+        for p in self._params:
+            _OWNER[p] = self
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Remove the hooks: this engine reduces nothing any more."""
+        self._finalizer()
+
+    # -- the hook path (runs inside backward) ----------------------------------
+    def _ready(self, i: int, p: torch.Tensor) -> None:
+        if not self.sync:
+            self.unreduced = True
+            return
+        task = torch._C._current_graph_task_id()
+        if task != self._task:
+            self._begin_pass(task)
+        if not self._syncing or self._stamp[i] == self._cycle:
+            return
+        if p.grad is not self._views[i]:
+            self._adopt(i, p)
+        self._stamp[i] = self._cycle
+        b = self._bucket_of[i]
+        left = self._remaining[b] - 1
+        self._remaining[b] = left
+        if left == 0 and b == self._launched:
+            while self._launched < len(self._buckets) and self._remaining[self._launched] == 0:
+                self._launch(self._launched)
+        elif self._tested < self._launched:
+            self._progress()
+
+    def _begin_pass(self, task: int) -> None:
+        if self._open:  # an earlier pass left its cycle open (a nested or aborted backward): close it
+            self._finish()
+        self._task = task
+        self._syncing = self._passes + 1 >= self.passes_per_reduction
+        if not self._syncing:
+            self.unreduced = True
+        Variable._execution_engine.queue_callback(functools.partial(_on_backward_end, weakref.ref(self), task))
+
+    def _end_pass(self) -> None:
+        self._task = -1
+        if self._syncing:
+            self._finish()
+        else:
+            self._passes += 1
+
+    def _adopt(self, i: int, p: torch.Tensor) -> None:
+        """Copy a gradient autograd made into the bucket and point ``.grad`` at the bucket's view."""
+        view, grad = self._views[i], p.grad
+        view.copy_(grad.to_dense() if grad.is_sparse else grad)  # type: ignore[union-attr]
+        p.grad = view
+
+    def _progress(self) -> None:
+        t = self._tested
+        while t < self._launched and self._buckets[t].request.test():
+            t += 1
+        self._tested = t
+
+    # -- launching and completing ----------------------------------------------
+    def _launch(self, b: int) -> None:
+        bucket = self._buckets[b]
+        bucket.presence.fill_(1)
+        if self._remaining[b]:
+            self._fill_missing(bucket)
+        if self._scale != 1.0:
+            bucket.flat.mul_(self._scale)
+        send = bucket.flat if bucket.wire is None else bucket.wire.copy_(bucket.flat)
+        world = self._world
+        bucket.request = backend_call(world, self.call, world.backend.iallreduce, send, "sum", True)
+        self._launched = b + 1
+        self._open = True
+
+    def _fill_missing(self, bucket: _Bucket) -> None:
+        """Parameters not marked ready: their current ``.grad`` if any (into the view), else zeros."""
+        for j, i in enumerate(bucket.params):
+            if self._stamp[i] == self._cycle:
+                continue
+            p = self._params[i]
+            if p.grad is None:
+                self._views[i].zero_()
+                bucket.presence[j] = 0
+                bucket.absent.append(j)
+            elif p.grad is not self._views[i]:
+                self._adopt(i, p)
+
+    def _complete(self, bucket: _Bucket) -> None:
+        world = self._world
+        backend_call(world, self.call, bucket.request.wait, world.timeout)
+        bucket.request = None
+        if bucket.wire is not None:
+            bucket.flat.copy_(bucket.wire)
+        if bucket.absent:
+            seen = bucket.presence.tolist()
+            for j in bucket.absent:
+                if seen[j] > 0:  # another rank had a gradient: this rank gets the reduced one
+                    i = bucket.params[j]
+                    self._params[i].grad = self._views[i]
+            bucket.absent = []
+
+    def _finish(self) -> None:
+        """Launch what is not launched yet (in order), wait for everything, close the cycle."""
+        try:
+            while self._launched < len(self._buckets):
+                self._launch(self._launched)
+            for bucket in self._buckets:
+                if bucket.request is not None:
+                    self._complete(bucket)
+        finally:
+            self._cycle += 1
+            self._remaining = [len(b.params) for b in self._buckets]
+            self._launched = self._tested = 0
+            self._open = False
+            self._passes = 0
+        self.unreduced = False
+        self.reductions += 1
+
+    # -- what the wrappers call --------------------------------------------------
+    @property
+    def in_flight(self) -> bool:
+        """True while a reduction cycle is open (between its first launch and its completion)."""
+        return self._open
+
+    def reduce(self) -> None:
+        """Complete the open reduction, or reduce the current gradients now if none is open.
+
+        Collective: every rank must call it (the wrappers call it from step()
+        only when backward did not already reduce on this rank).
+        """
+        if self.closed:
+            return
+        self._task = -1
+        self._finish()
+
+
+def _on_grad(ref: weakref.ref[GradientBuckets], index: int, param: torch.Tensor) -> None:
+    engine = ref()
+    if engine is not None:
+        engine._ready(index, param)
+
+
+def _on_backward_end(ref: weakref.ref[GradientBuckets], task: int) -> None:
+    engine = ref()
+    if engine is not None and engine._task == task and not engine.closed:
+        engine._end_pass()
+
+
+def _remove(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()

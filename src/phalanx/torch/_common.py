@@ -1,0 +1,83 @@
+"""What the torch wrappers share: the wrap-time structure check and direct backend calls.
+
+::
+
+    verify_same_structure("torch.DataParallel", ["fc.weight float32[10, 5]", ...])  # once, at wrap time
+    request = backend_call(world, "torch.DataParallel", world.backend.iallreduce, flat, "sum", True)
+
+The wrappers check the structure of what they reduce *once*, when they are
+made (DESIGN.md, "Failure design"), and then talk to the backend directly in
+the hot path, without the per-call agreement: every rank reduces the same
+buckets in the same order by construction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._collectives import allgather, allreduce
+from .._errors import CollectiveMismatchError, WorldBrokenError
+from .._world import World, current
+from ..comm._base import PeerLost, WaitTimeout
+
+__all__ = ["backend_call", "verify_same_structure"]
+
+_MASK = (1 << 62) - 1
+
+
+def verify_same_structure(call: str, entries: list[str], what: str = "parameter") -> None:
+    """Raise the same CollectiveMismatchError on every rank unless every rank passed ``entries``.
+
+    One small allreduce of a hash; the descriptions are exchanged only when
+    the hashes differ, to name the first differing entry.
+    """
+    world = current(call)
+    if world.size == 1:
+        return
+    digest = hashlib.blake2b("\n".join(entries).encode(), digest_size=8).digest()
+    mine = int.from_bytes(digest, "little") & _MASK
+    agreed = allreduce(np.array([mine, -mine], np.int64), op="max")
+    if int(agreed[0]) == mine and int(agreed[1]) == -mine:
+        return
+    payload = np.frombuffer(json.dumps(entries).encode(), np.uint8)
+    sizes = allgather(np.array([payload.size], np.int64))[:, 0]
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:payload.size] = payload
+    rows = allgather(padded)
+    lists: list[list[str]] = [json.loads(rows[r, :int(sizes[r])].tobytes()) for r in range(world.size)]
+    longest = max(len(x) for x in lists)
+    first = next((i for i in range(longest)
+                  if len({x[i] if i < len(x) else None for x in lists}) > 1), longest)
+    lines = [f"  rank {r}: {what} #{first}: {x[first] if first < len(x) else '(none: it has only ' + str(len(x)) + ')'}"
+             for r, x in enumerate(lists)]
+    raise CollectiveMismatchError(
+        f"phalanx.{call}: the ranks wrap different {what}s ({', '.join(str(len(x)) for x in lists)} "
+        f"on ranks 0..{world.size - 1}), so their gradients cannot be reduced together; nothing was "
+        "sent. The first difference:\n" + "\n".join(lines) + "\n"
+        "Every rank must build the same model (same layers, shapes, dtypes and requires_grad flags, "
+        "in the same order) before wrapping it, e.g. from the same config on every rank.")
+
+
+def backend_call(world: World, call: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on the world's backend, with its internal failures as phalanx errors.
+
+    Pending non-blocking collectives are posted first: MPI matches
+    collectives by the order they are posted, on every rank.
+    """
+    if world.broken is not None:
+        raise WorldBrokenError(
+            f"phalanx.{call}: the world is unusable after an earlier failure ({world.broken}). "
+            "Let the exception end the job and restart from a checkpoint.")
+    if world.pending:
+        world.flush(call)
+    try:
+        return fn(*args)
+    except WaitTimeout:
+        raise world.timed_out(call) from None
+    except PeerLost as exc:
+        raise world.peer_lost(call, exc) from None

@@ -1,0 +1,209 @@
+"""``phalanx.torch.DistributedOptimizer``: any torch optimizer, with gradients averaged across ranks.
+
+::
+
+    opt = phalanx.torch.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()     # gradients are reduced while backward runs
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # sees reduced gradients
+        opt.step()
+
+It is a real ``torch.optim.Optimizer`` (``isinstance`` checks, LR schedulers
+and ``GradScaler`` work) that shares ``param_groups``, ``state`` and
+``defaults`` with the optimizer it wraps; ``state_dict()`` and
+``load_state_dict()`` are the wrapped optimizer's, so checkpoints are
+interchangeable with plain torch ones.
+
+At construction, rank 0's parameters and optimizer state are broadcast
+(``phalanx.synchronize``) and the ranks check once that they wrap the same
+parameters. Gradients are reduced in buckets during backward (see
+:mod:`phalanx.torch._bucket`), so when ``backward()`` returns they are reduced
+and anything between backward and ``step()`` (clipping, ``scaler.unscale_``,
+logging) sees the reduced values. ``step()`` reduces first only what backward
+did not: passes under ``no_sync()``, fewer than ``backward_passes_per_step``
+passes, or a rank that ran no backward at all (it then contributes zeros, and
+its peers, waiting at the end of their backward, are released).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from .._errors import InvalidArgumentError, UsageError
+from .._sync import synchronize
+from ._bucket import GradientBuckets, check_options
+
+__all__ = ["DistributedOptimizer"]
+
+_CALL = "torch.DistributedOptimizer"
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer`` so that every ``step()`` uses gradients reduced across ranks.
+
+    ``op``: ``"avg"`` (default: the mean over ranks, as if one process saw the
+    whole batch) or ``"sum"``. ``bucket_cap_mb``: bucket size (DDP's default,
+    25). ``compression``: ``"bf16"``/``"fp16"`` send 16-bit gradients (after
+    the ``1/size`` scaling), ``None`` full precision. ``backward_passes_per_step=k``:
+    ``k`` backward passes accumulate locally and the ``k``-th reduces (or use
+    :meth:`no_sync`). ``broadcast_parameters``: start from rank 0's parameters
+    and optimizer state. ``named_parameters`` (optional, e.g.
+    ``model.named_parameters()``) names parameters in error messages.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, op: str = "avg", bucket_cap_mb: float = 25,
+                 compression: str | None = None, backward_passes_per_step: int = 1,
+                 broadcast_parameters: bool = True,
+                 named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DistributedOptimizer):
+            raise InvalidArgumentError(
+                f"phalanx.{_CALL}(optimizer={type(optimizer).__name__}): pass a plain torch optimizer, "
+                "e.g. `DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))`.")
+        check_options(_CALL, op, bucket_cap_mb, compression)
+        k = backward_passes_per_step
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise InvalidArgumentError(f"phalanx.{_CALL}(backward_passes_per_step={k!r}): give the number "
+                                       "of backward passes per step as an int >= 1.")
+        # Optimizer.__init__ is not called: it would make param_groups and state of its own.
+        self.optimizer = optimizer
+        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._warned_capturable_if_run_uncaptured = True
+        self._patch_step_function()
+        self._options = {"op": op, "bucket_cap_mb": bucket_cap_mb, "compression": compression}
+        self._passes = k
+        self._names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
+        self._engine = self._make_engine()  # first: it checks that the ranks wrap the same parameters
+        if broadcast_parameters:
+            self._broadcast(self._all_params())
+        self._reduced_at_step = self._engine.reductions
+
+    # -- shared with the wrapped optimizer ---------------------------------------
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
+        return f"DistributedOptimizer({self.optimizer!r}, {options}, backward_passes_per_step={self._passes})"
+
+    # -- setup ------------------------------------------------------------------
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _broadcast(self, params: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            synchronize({"parameters": params, "optimizer": self.optimizer}, root=0)
+
+    def _make_engine(self) -> GradientBuckets:
+        params, names = [], []
+        for g, group in enumerate(self.optimizer.param_groups):
+            for k, p in enumerate(group["params"]):
+                params.append(p)
+                names.append(self._names.get(id(p), f"param_groups[{g}]['params'][{k}]"))
+        return GradientBuckets(params, names, call=_CALL, passes_per_reduction=self._passes, **self._options)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the wrapped optimizer (collective: every rank must add the same)."""
+        engine = getattr(self, "_engine", None)
+        if engine is not None and engine.in_flight:
+            raise self._in_flight("add_param_group")
+        self.optimizer.add_param_group(param_group)
+        if engine is None:
+            return
+        engine.close()
+        self._engine = self._make_engine()
+        self._broadcast(list(self.optimizer.param_groups[-1]["params"]))
+        self._reduced_at_step = self._engine.reductions
+
+    # -- the training loop --------------------------------------------------------
+    def reduce_gradients(self) -> None:
+        """Make sure the gradients are reduced across ranks; ``step()`` will not reduce again.
+
+        Backward normally reduces them already (then this does nothing); this
+        reduces what it did not (``no_sync()`` passes, fewer than
+        ``backward_passes_per_step`` passes, a rank without backward).
+        Collective when it reduces: call it on every rank or on none.
+        """
+        if self._needs_reduction():
+            self._engine.reduce()  # reductions now exceeds _reduced_at_step: step() will not reduce
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Reduce what backward did not (see :meth:`reduce_gradients`), then step the wrapped optimizer.
+
+        With a ``closure`` (LBFGS) every backward inside it reduces, so nothing is reduced before.
+        """
+        if closure is None and self._needs_reduction():
+            self._engine.reduce()
+        result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self._reduced_at_step = self._engine.reductions
+        return result
+
+    def _needs_reduction(self) -> bool:
+        # Reduced by backward since the last step, and no local-only pass since: nothing to do.
+        engine = self._engine
+        return engine.in_flight or engine.unreduced or engine.reductions == self._reduced_at_step
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``; an error while a reduction is in flight."""
+        if self._engine.in_flight:
+            raise self._in_flight("zero_grad")
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the next one outside reduces them all."""
+        engine = self._engine
+        previous, engine.sync = engine.sync, False
+        try:
+            yield
+        finally:
+            engine.sync = previous
+
+    def _in_flight(self, what: str) -> UsageError:
+        return UsageError(
+            f"phalanx.{_CALL}.{what}() was called while gradient reductions are in flight: a backward "
+            "pass started reducing and has not finished (it raised an exception, or this is called "
+            "from inside backward). Call `optimizer.reduce_gradients()` on every rank to complete "
+            f"them first, then {what}().")
+
+    # -- checkpoints: the wrapped optimizer's own ---------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def close(self) -> None:
+        """Stop reducing gradients (removes the hooks); the wrapped optimizer is unchanged."""
+        self._engine.close()

@@ -1,0 +1,129 @@
+"""``phalanx.torch.DataParallel``: a module whose gradients are averaged across ranks during backward.
+
+::
+
+    model = phalanx.torch.DataParallel(Net())            # rank 0's parameters and buffers everywhere
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)   # any optimizer, unchanged
+    loss_fn(model(x), y).backward()                     # reduced when backward returns
+    opt.step()
+
+The counterpart of torch's ``DistributedDataParallel`` over any phalanx
+backend (mpi, gloo, nccl, local), with the same gradient engine as
+:class:`phalanx.torch.DistributedOptimizer`. ``forward`` calls the wrapped
+``module`` (``model.module``); ``state_dict`` keys get the ``module.``
+prefix, as with DDP.
+
+**Buffers** (BatchNorm running statistics, counters): with
+``broadcast_buffers=True`` (default, DDP's policy) rank 0's buffers are
+broadcast at the start of every forward *in training mode* (one fused
+broadcast, into a buffer allocated once), so every rank normalizes with, and
+checkpoints, rank 0's statistics. In eval mode nothing is communicated, so
+rank 0 may evaluate alone. With :class:`phalanx.torch.SyncBatchNorm` the
+statistics are the same on every rank anyway and ``broadcast_buffers=False``
+saves the broadcast. The buffer list is fixed at construction: a buffer
+replaced by a new tensor later (rather than updated in place, as BatchNorm
+does) is no longer broadcast.
+
+Every rank must run backward for every step: a rank that skips one leaves
+its peers waiting at the end of theirs (until the timeout). To skip a batch,
+backpropagate a zero loss, e.g. ``sum(p.sum() for p in model.parameters()) * 0``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .._sync import synchronize
+from .._world import current
+from ._bucket import GradientBuckets, check_options
+from ._common import backend_call
+
+__all__ = ["DataParallel"]
+
+_CALL = "torch.DataParallel"
+_ALIGN = 16  # each buffer starts at a multiple of this in the packed bytes, so any dtype can view it
+
+
+class _BufferPack:
+    """The module's buffers packed into one byte tensor per device, allocated once."""
+
+    def __init__(self, buffers: list[torch.Tensor]) -> None:
+        self.groups: list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for b in buffers:
+            by_device.setdefault(b.device, []).append(b)
+        for device, items in by_device.items():
+            offsets, total = [], 0
+            for b in items:
+                offsets.append(total)
+                total += -(-b.numel() * b.element_size() // _ALIGN) * _ALIGN
+            packed = torch.zeros(total, dtype=torch.uint8, device=device)
+            views = [packed[o:o + b.numel() * b.element_size()].view(b.dtype).view(b.shape)
+                     for o, b in zip(offsets, items, strict=True)]
+            self.groups.append((packed, items, views))
+
+
+class DataParallel(torch.nn.Module):
+    """Wraps ``module`` so that its gradients are reduced across ranks in backward (module docstring).
+
+    ``op``, ``bucket_cap_mb``, ``compression``: as for
+    :class:`phalanx.torch.DistributedOptimizer`. ``broadcast_buffers``: rank
+    0's buffers at the start of every training-mode forward.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, op: str = "avg", bucket_cap_mb: float = 25,
+                 compression: str | None = None, broadcast_buffers: bool = True) -> None:
+        super().__init__()
+        check_options(_CALL, op, bucket_cap_mb, compression)
+        self.module = module
+        self.broadcast_buffers = bool(broadcast_buffers)
+        self._world = current(_CALL)
+        named = list(module.named_parameters())
+        # The engine first: it checks that the ranks wrap the same parameters, naming the first difference.
+        self._engine = GradientBuckets([p for _, p in named], [n for n, _ in named], call=_CALL, op=op,
+                                       bucket_cap_mb=bucket_cap_mb, compression=compression)
+        with torch.no_grad():
+            synchronize(module, root=0)  # rank 0's parameters and buffers
+        buffers = list(module.buffers())
+        self._pack = _BufferPack(buffers) if buffers and self._world.size > 1 else None
+        self._require_sync = True
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.training and self.broadcast_buffers and self._pack is not None:
+            self._sync_buffers(self._pack)
+        self._engine.sync = self._require_sync  # DDP decides at forward time, too
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Forward and backward passes inside accumulate gradients locally; the next synced backward
+        reduces everything accumulated."""
+        previous, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    def reduce_gradients(self) -> None:
+        """Reduce the current gradients now (collective): for passes that did not reduce in backward,
+        e.g. after ``no_sync()`` when no synced backward follows."""
+        self._engine.reduce()
+
+    def close(self) -> None:
+        """Stop reducing gradients (removes the hooks); ``module`` is unchanged."""
+        self._engine.close()
+
+    def _sync_buffers(self, pack: _BufferPack) -> None:
+        world = self._world
+        root = world.rank == 0
+        with torch.no_grad():
+            for packed, buffers, views in pack.groups:
+                if root:
+                    torch._foreach_copy_(views, buffers)
+                backend_call(world, _CALL, world.backend.broadcast, packed, 0, True, world.timeout)
+                if not root:
+                    torch._foreach_copy_(buffers, views)

@@ -1,0 +1,518 @@
+"""Training test bodies: N ranks on slices of a batch train exactly like 1 process on the whole batch.
+
+Each rank builds its model from a *different* seed (so only the initial
+broadcast from rank 0 can make the ranks agree), trains on its slice of a
+fixed global batch, and, in the same body, trains a reference copy of rank
+0's initial model in one process on the whole batch. Losses are means and
+slices are equal, so with op="avg" the gradients match; models are float64,
+so the tolerance is tight (looser, and stated, for 16-bit compression).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import warnings
+from typing import Any
+
+import numpy as np
+
+import phalanx
+
+STEPS = 10
+PER_RANK = 4
+TIGHT = 1e-9     # float64 models: only summation order differs
+COMPRESSED = 2e-2  # 16-bit gradients on the wire: ~3 significant digits per step
+
+
+def _setup() -> tuple[Any, Any, int, int]:
+    import torch
+
+    import phalanx.torch as pt
+
+    torch.set_num_threads(1)
+    return torch, pt, phalanx.rank(), phalanx.size()
+
+
+# -- models and data ---------------------------------------------------------------------------
+
+def mlp(torch: Any, seed: int) -> Any:
+    torch.manual_seed(seed)
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+
+
+def cnn(torch: Any, seed: int, batchnorm: bool = False) -> Any:
+    torch.manual_seed(seed)
+    nn = torch.nn
+    norm = (lambda c: [nn.BatchNorm2d(c)]) if batchnorm else (lambda c: [])
+    # No bias before a BatchNorm (it cancels): Adam would amplify that zero gradient's rounding noise.
+    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, bias=not batchnorm), *norm(4), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3, stride=2, padding=1, bias=not batchnorm), *norm(4), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(64, 3)).double()
+
+
+MODELS = {"mlp": (mlp, (6,)), "cnn": (cnn, (2, 8, 8)),
+          "cnn_bn": (lambda torch, seed: cnn(torch, seed, True), (2, 8, 8))}
+
+
+def batch(torch: Any, step: int, shape: tuple[int, ...], n: int) -> tuple[Any, Any]:
+    """The global batch of ``step`` (the same on every rank)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return (torch.randn(n * PER_RANK, *shape, generator=g, dtype=torch.float64),
+            torch.randn(n * PER_RANK, 3, generator=g, dtype=torch.float64))
+
+
+def piece(t: Any, r: int) -> Any:
+    return t[r * PER_RANK:(r + 1) * PER_RANK]
+
+
+def mse(torch: Any, out: Any, y: Any) -> Any:
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def assert_close(model: Any, ref: Any, what: str, tol: float) -> int:
+    checks = 0
+    for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
+        if not p.is_floating_point():
+            assert p.equal(q), f"{what}: {name} is {p.tolist()}, the 1-process run has {q.tolist()}"
+            continue
+        err = (p - q).abs().max().item()
+        assert err <= tol * max(1.0, q.abs().max().item()), \
+            f"{what}: {name} differs from the 1-process run by {err:.3g} (tolerance {tol:g})"
+        checks += 1
+    return checks
+
+
+def same_on_every_rank(torch: Any, t: Any, what: str) -> None:
+    rows = phalanx.allgather(t.detach().contiguous())
+    for q in range(1, rows.shape[0]):
+        assert torch.equal(rows[q], rows[0]), f"{what}: rank {q} has {rows[q].tolist()}, rank 0 {rows[0].tolist()}"
+
+
+# -- equivalence -------------------------------------------------------------------------------
+
+CASES: list[dict[str, Any]] = [
+    {"model": "mlp", "form": "opt", "opt": "sgd"},
+    {"model": "mlp", "form": "opt", "opt": "adam", "sched": True},
+    {"model": "cnn", "form": "dp", "opt": "sgd"},
+    {"model": "cnn_bn", "form": "dp", "opt": "adam"},
+    {"model": "cnn_bn", "form": "opt", "opt": "sgd"},
+    {"model": "mlp", "form": "opt", "opt": "sgd", "compression": "bf16"},
+    {"model": "cnn", "form": "dp", "opt": "adam", "compression": "fp16"},
+    {"model": "mlp", "form": "opt", "opt": "sgd", "micro": 2, "accum": "passes"},
+    {"model": "mlp", "form": "opt", "opt": "adam", "micro": 2, "accum": "no_sync"},
+    {"model": "mlp", "form": "dp", "opt": "sgd", "micro": 2, "accum": "no_sync"},
+    {"model": "mlp", "form": "opt", "opt": "sgd", "clip": 0.05},
+    {"model": "mlp", "form": "dp", "opt": "sgd", "clip": 0.05, "sched": True},
+    {"model": "mlp", "form": "opt", "opt": "sgd", "bucket_cap_mb": 1e-4, "zero": "zeros"},
+]
+
+
+def make_optimizer(torch: Any, kind: str, params: Any) -> Any:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def run_case(case: dict[str, Any], compiled: str | None = None) -> int:
+    torch, pt, r, n = _setup()
+    build, shape = MODELS[case["model"]]
+    model, ref = build(torch, 100 + r), build(torch, 100)
+    if case["model"] == "cnn_bn":
+        model = pt.convert_sync_batchnorm(model)
+    micro, accum = case.get("micro", 1), case.get("accum")
+    options = {"compression": case.get("compression"), "bucket_cap_mb": case.get("bucket_cap_mb", 25)}
+    if case["form"] == "opt":
+        opt = pt.DistributedOptimizer(make_optimizer(torch, case["opt"], model.parameters()),
+                                      backward_passes_per_step=micro if accum == "passes" else 1, **options)
+        net = model
+    else:
+        net = pt.DataParallel(model, **options)
+        opt = make_optimizer(torch, case["opt"], net.parameters())
+    if compiled:  # the torch.compile backend
+        net = torch.compile(net, backend=compiled)
+    ref_opt = make_optimizer(torch, case["opt"], ref.parameters())
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 3, 0.5) for o in (opt, ref_opt)] if case.get("sched") else []
+    for step in range(STEPS):
+        for o in (opt, ref_opt):
+            o.zero_grad(set_to_none=case.get("zero") != "zeros")
+        for m in range(micro):
+            x, y = batch(torch, step * micro + m, shape, n)
+            quiet = m < micro - 1 and accum == "no_sync"
+            with (net.no_sync() if case["form"] == "dp" else opt.no_sync()) if quiet else contextlib.nullcontext():
+                mse(torch, net(piece(x, r)), piece(y, r)).backward()
+            mse(torch, ref(x), y).backward()
+        if case.get("clip"):
+            if case["form"] == "opt":
+                opt.reduce_gradients()
+            for mdl in (model, ref):
+                torch.nn.utils.clip_grad_norm_(mdl.parameters(), case["clip"])
+        opt.step()
+        ref_opt.step()
+        for s in scheds:
+            s.step()
+    if scheds:
+        group = opt.param_groups[0]
+        assert group["lr"] == ref_opt.param_groups[0]["lr"] == group["initial_lr"] * 0.5 ** 3
+    if case.get("compression"):  # 16-bit buckets, except on MPI (no 16-bit sum there: full precision)
+        engine = opt._engine if case["form"] == "opt" else net._engine
+        compressed = all(b.wire is not None for b in engine._buckets)
+        assert compressed == (phalanx.backend().name != "mpi" or n == 1), compressed
+    tol = COMPRESSED if case.get("compression") else TIGHT
+    return assert_close(model, ref, f"{case} on {n} ranks", tol)
+
+
+def unused_and_frozen(form: str) -> int:
+    """A parameter used on rank 1 only, one used nowhere, one frozen; a rank without backward."""
+    torch, pt, r, n = _setup()
+    nn = torch.nn
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.frozen, self.extra = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+            self.never, self.head = nn.Linear(8, 8), nn.Linear(8, 3)
+            self.frozen.requires_grad_(False)
+
+        def forward(self, x: Any, use_extra: bool) -> Any:
+            h = torch.tanh(self.frozen(torch.tanh(self.body(x))))
+            return self.head(h + torch.tanh(self.extra(h)) if use_extra else h)
+
+    def build(seed: int) -> Any:
+        torch.manual_seed(seed)
+        return Branchy().double()
+
+    model, ref = build(100 + r), build(100)
+    if form == "opt":
+        net, opt = model, pt.DistributedOptimizer(make_optimizer(torch, "sgd", model.parameters()))
+    else:
+        net = pt.DataParallel(model)
+        opt = make_optimizer(torch, "sgd", [p for p in net.parameters() if p.requires_grad])
+    ref_opt = make_optimizer(torch, "sgd", ref.parameters())
+    skipping = 5  # at this step the last rank runs no backward at all (an empty batch, say)
+    for step in range(STEPS):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        x, y = batch(torch, step, (6,), n)
+        ranks = [q for q in range(n) if not (step == skipping and q == n - 1)]
+        if r in ranks:
+            mse(torch, net(piece(x, r), r == 1), piece(y, r)).backward()
+        if ranks:
+            sum(mse(torch, ref(piece(x, q), q == 1), piece(y, q)) for q in ranks).div(n).backward()
+        if r not in ranks and form == "dp":
+            net.reduce_gradients()  # an unchanged optimizer cannot do it: releases the peers' backward
+        opt.step()  # DistributedOptimizer: reduces here (zeros) on the rank without backward
+        ref_opt.step()
+    assert model.never.weight.grad is None, "a parameter no rank used must keep grad=None"
+    assert model.frozen.weight.grad is None
+    assert (model.extra.weight.grad is None) == (n == 1), "rank 1's gradient must reach every rank"
+    return assert_close(model, ref, f"unused/frozen ({form}) on {n} ranks", TIGHT) + 3
+
+
+def grad_scaler() -> int:
+    """GradScaler: unscale_ sees reduced gradients, and an inf on one rank skips the step everywhere."""
+    torch, pt, r, n = _setup()
+    model, ref = mlp(torch, 100 + r), mlp(torch, 100)
+    opt = pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3) for _ in range(2)]
+    skipped = 4
+    for step in range(STEPS):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        x, y = batch(torch, step, (6,), n)
+        poison = [math.inf if step == skipped and q == n - 1 else 1.0 for q in range(n)]
+        loss = mse(torch, model(piece(x, r)), piece(y, r)) * poison[r]
+        ref_loss = sum(mse(torch, ref(piece(x, q)), piece(y, q)) * poison[q] for q in range(n)) / n
+        scalers[0].scale(loss).backward()
+        scalers[1].scale(ref_loss).backward()
+        if step % 2:  # the explicit form: reduce, unscale, clip, step
+            opt.reduce_gradients()
+            for s, o, mdl in ((scalers[0], opt, model), (scalers[1], ref_opt, ref)):
+                s.unscale_(o)
+                torch.nn.utils.clip_grad_norm_(mdl.parameters(), 0.5)
+        before = scalers[0].get_scale()
+        for s, o in ((scalers[0], opt), (scalers[1], ref_opt)):
+            s.step(o)
+            s.update()
+        if step == skipped:  # found on every rank (the reduced gradients carry the inf): skipped, scale halved
+            assert scalers[0].get_scale() == scalers[1].get_scale() == before / 2, "the inf step must be skipped"
+    assert scalers[0].get_scale() == scalers[1].get_scale()
+    return assert_close(model, ref, f"GradScaler on {n} ranks", TIGHT) + 2
+
+
+def checkpoints() -> int:
+    """state_dict()/load_state_dict() are the wrapped optimizer's: a round trip resumes exactly."""
+    torch, pt, r, n = _setup()
+    model = mlp(torch, 100 + r)
+    opt = pt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+
+    def train(mdl: Any, o: Any, steps: range) -> None:
+        for step in steps:
+            o.zero_grad()
+            x, y = batch(torch, step, (6,), n)
+            mse(torch, mdl(piece(x, r)), piece(y, r)).backward()
+            o.step()
+
+    train(model, opt, range(3))
+    saved = copy.deepcopy(opt.state_dict())  # as torch.save would: state_dict() holds live tensors
+    assert saved.keys() == opt.optimizer.state_dict().keys() and len(saved["state"]) == 6
+    twin = mlp(torch, 999)
+    twin.load_state_dict(model.state_dict())
+    twin_opt = pt.DistributedOptimizer(torch.optim.Adam(twin.parameters(), lr=0.5))
+    twin_opt.load_state_dict(saved)
+    assert twin_opt.param_groups[0]["lr"] == 0.01 and twin_opt.param_groups is twin_opt.optimizer.param_groups
+    assert twin_opt.state is twin_opt.optimizer.state  # still shared after the load replaced it
+    train(model, opt, range(3, 6))
+    train(twin, twin_opt, range(3, 6))
+    checks = assert_close(twin, model, f"resumed from state_dict on {n} ranks", 0.0) + 4
+    # add_param_group (fine-tuning unfreezes a layer): rank 0's values, reduced from then on.
+    torch.manual_seed(r)
+    extra = torch.nn.Linear(3, 3).double()
+    opt.add_param_group({"params": extra.parameters(), "lr": 0.1})
+    same_on_every_rank(torch, extra.weight, "a parameter group added later")
+    for step in range(2):
+        opt.zero_grad()
+        x, y = batch(torch, step, (6,), n)
+        mse(torch, extra(model(piece(x, r))), piece(y, r)).backward()
+        opt.step()
+    same_on_every_rank(torch, extra.weight, "a parameter group added later, after training")
+    return checks + 2
+
+
+def misuse() -> int:
+    """Clear errors for zero_grad() with reductions in flight, bad arguments, double wrapping."""
+    torch, pt, r, n = _setup()
+    nn = torch.nn
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Any) -> Any:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: Any) -> Any:
+            raise RuntimeError("boom in backward")
+
+    class BoomLayer(nn.Module):
+        def forward(self, x: Any) -> Any:
+            return Boom.apply(x)
+
+    torch.manual_seed(r)
+    model = nn.Sequential(nn.Linear(4, 4), BoomLayer(), nn.Linear(4, 4)).double()
+    opt = pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_cap_mb=1e-6)
+    assert len(opt._engine.bucket_sizes) == 4  # one bucket per parameter, launched as each is ready
+    try:
+        model(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
+    except RuntimeError as exc:
+        assert "boom in backward" in str(exc)
+    else:
+        raise AssertionError("backward should have raised")
+    try:
+        opt.zero_grad()
+    except phalanx.UsageError as exc:
+        assert "in flight" in str(exc) and "reduce_gradients()" in str(exc), exc
+    else:
+        raise AssertionError("zero_grad() with reductions in flight must raise")
+    opt.reduce_gradients()  # completes what the aborted backward launched (and the rest, as zeros)
+    opt.zero_grad()
+    checks = 2
+    for bad in ({"op": "mean"}, {"compression": "int8"}, {"bucket_cap_mb": 0},
+                {"backward_passes_per_step": 0}):
+        try:
+            pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **bad)
+        except phalanx.InvalidArgumentError as exc:
+            assert repr(next(iter(bad.values()))) in str(exc), exc
+            checks += 1
+    try:
+        pt.DistributedOptimizer(opt)
+    except phalanx.InvalidArgumentError:
+        checks += 1
+    # Wrapping both the model and its optimizer: the newer wrapper takes over, with a warning.
+    torch.manual_seed(0)
+    plain = nn.Linear(3, 3).double()
+    dp = pt.DataParallel(plain)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pt.DistributedOptimizer(torch.optim.SGD(dp.parameters(), lr=0.1))
+    assert any("takes over" in str(w.message) for w in caught) and dp._engine.closed
+    assert checks == 7, checks
+    return checks + 1
+
+
+def mismatched_models() -> int:
+    """Different models on different ranks: the same CollectiveMismatchError on every rank."""
+    torch, pt, r, n = _setup()
+    nn = torch.nn
+    torch.manual_seed(0)
+    checks = 0
+    shapes = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 5 if r == 0 else 6))
+    counts = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2 if r == 0 else 3)])
+    for model, expect in ((shapes, "1.weight"), (counts, "(none: it has only 4)")):
+        for wrap in (lambda m: pt.DataParallel(m),
+                     lambda m: pt.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                                       named_parameters=m.named_parameters())):
+            try:
+                wrap(model)
+            except phalanx.CollectiveMismatchError as exc:
+                assert expect in str(exc) and "rank 1" in str(exc), exc
+                checks += 1
+            else:
+                raise AssertionError("different models must not be wrapped silently")
+    assert phalanx.allreduce(1) == n  # the world is still usable
+    return checks
+
+
+def buffers() -> int:
+    """DataParallel broadcasts rank 0's buffers at each training forward; eval communicates nothing."""
+    torch, pt, r, n = _setup()
+    nn = torch.nn
+    checks = 0
+    nets = {}
+    for broadcast in (True, False):
+        torch.manual_seed(200 + r)
+        model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).double()
+        net = nets[broadcast] = pt.DataParallel(model, broadcast_buffers=broadcast)
+        bn = model[1]
+        same_on_every_rank(torch, bn.running_mean, "buffers after construction")
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(3):  # different local batches: local statistics drift apart
+            opt.zero_grad()
+            x, y = batch(torch, step, (6,), n)
+            mse(torch, net(piece(x, r)), piece(y, r)).backward()
+            opt.step()
+        x, _ = batch(torch, 99, (6,), 1)
+        net(x)  # the same batch everywhere: equal afterwards iff they were equal before
+        rows = phalanx.allgather(bn.running_mean.detach().clone())
+        equal = all(torch.equal(rows[q], rows[0]) for q in range(n))
+        assert equal == (broadcast or n == 1), f"broadcast_buffers={broadcast}: equal={equal}"
+        checks += 2
+    if r == 0:  # evaluation on one rank only: no collective may happen (else the barrier mismatches)
+        nets[True].eval()
+        nets[True](x)
+        synced = pt.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(6))).double().eval()
+        synced(x)
+    phalanx.barrier()
+    return checks + 1
+
+
+def sync_batchnorm() -> int:
+    """SyncBatchNorm on uneven per-rank batches equals BatchNorm on the concatenated batch."""
+    torch, pt, r, n = _setup()
+    checks = 0
+    for shape in ((3,), (3, 5), (3, 4, 4), (3, 2, 2, 2)):
+        sizes = [q + 2 for q in range(n)]  # uneven: rank q holds q + 2 samples (rank 1 none, once)
+        if n > 1 and len(shape) == 2:
+            sizes[1] = 0
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(sum(sizes), *shape, generator=g, dtype=torch.float64) * 3 + 5
+        w = torch.randn(sum(sizes), *shape, generator=g, dtype=torch.float64)
+        lo, hi = sum(sizes[:r]), sum(sizes[:r + 1])
+        ref = torch.nn.BatchNorm1d(3) if len(shape) < 3 else (
+            torch.nn.BatchNorm2d(3) if len(shape) == 3 else torch.nn.BatchNorm3d(3))
+        ref = ref.double()
+        with torch.no_grad():
+            ref.weight.uniform_(0.5, 1.5, generator=g)
+            ref.bias.uniform_(-1, 1, generator=g)
+        sync = pt.convert_sync_batchnorm(torch.nn.Sequential(type(ref)(3).double()))[0]
+        sync.load_state_dict(ref.state_dict())
+        assert isinstance(sync, pt.SyncBatchNorm)
+        xr, xs = x.clone().requires_grad_(), x[lo:hi].clone().requires_grad_()
+        for _ in range(2):  # twice: the running statistics are updated twice, the gradients accumulate
+            ref_out = ref(xr)
+            (ref_out * w).sum().backward()
+            out = sync(xs)
+            (out * w[lo:hi]).sum().backward()
+        assert torch.allclose(out, ref_out[lo:hi], atol=1e-10, rtol=0)
+        assert torch.allclose(xs.grad, xr.grad[lo:hi], atol=1e-10, rtol=0)
+        for a, b in ((sync.weight.grad, ref.weight.grad), (sync.bias.grad, ref.bias.grad)):
+            assert torch.allclose(phalanx.allreduce(a.clone()), b, atol=1e-9, rtol=0)
+        for a, b in ((sync.running_mean, ref.running_mean), (sync.running_var, ref.running_var)):
+            assert torch.allclose(a, b, atol=1e-12, rtol=0), (a, b)
+        assert sync.num_batches_tracked.item() == ref.num_batches_tracked.item() == 2
+        checks += 6
+    return checks
+
+
+def gradients_helper() -> int:
+    """phalanx.allreduce_gradients: a module (with a missing gradient) and lists of arrays/tensors."""
+    torch, pt, r, n = _setup()
+    model = torch.nn.Linear(3, 2)
+    model.weight.grad = torch.full((2, 3), float(r + 1))
+    model.bias.grad = None if r == 0 else torch.full((2,), 3.0)
+    assert phalanx.allreduce_gradients(model) is model
+    assert torch.allclose(model.weight.grad, torch.full((2, 3), (n + 1) / 2))
+    assert (model.bias.grad is None) == (n == 1)
+    if n > 1:
+        assert torch.allclose(model.bias.grad, torch.full((2,), 3.0 * (n - 1) / n))
+    grads = [np.full(4, r, np.float32), torch.full((2, 2), float(r), dtype=torch.float64), np.full(2, 1.0)]
+    out = phalanx.allreduce_gradients(grads, op="sum")
+    assert out[0] is grads[0] and np.all(grads[0] == n * (n - 1) / 2) and grads[0].dtype == np.float32
+    assert torch.all(grads[1] == n * (n - 1) / 2) and np.all(grads[2] == n)
+    named = {"w": torch.full((3,), float(r))}
+    assert phalanx.allreduce_gradients(named)["w"][0].item() == (n - 1) / 2
+    return 7
+
+
+def checkpointed(reentrant: bool) -> int:
+    """Activation checkpointing; the reentrant kind runs a nested backward inside backward."""
+    torch, pt, r, n = _setup()
+    nn = torch.nn
+
+    class Checkpointed(nn.Module):
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: Any) -> Any:
+            return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=reentrant)
+
+    model, ref = mlp(torch, 100 + r), mlp(torch, 100)
+    model[2] = Checkpointed(model[2])
+    net = pt.DataParallel(model)
+    opt, ref_opt = (make_optimizer(torch, "sgd", m.parameters()) for m in (net, ref))
+    for step in range(4):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        x, y = batch(torch, step, (6,), n)
+        mse(torch, net(piece(x, r).requires_grad_()), piece(y, r)).backward()
+        mse(torch, ref(x), y).backward()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        assert (p - q).abs().max().item() < TIGHT, f"checkpointing (reentrant={reentrant}) on {n} ranks"
+    return 1
+
+
+def training() -> dict[str, int]:
+    """Everything above, in one world; returns the number of checks per part."""
+    torch, pt, r, n = _setup()
+    done: dict[str, int] = {}
+    for i, case in enumerate(CASES):
+        done[f"case{i}"] = run_case(case)
+    done["unused_opt"] = unused_and_frozen("opt")
+    done["unused_dp"] = unused_and_frozen("dp")
+    done["scaler"] = grad_scaler()
+    done["checkpoints"] = checkpoints()
+    done["misuse"] = misuse()
+    if n > 1:
+        done["mismatch"] = mismatched_models()
+    done["checkpoint"] = checkpointed(False) + checkpointed(True)
+    done["buffers"] = buffers()
+    done["syncbn"] = sync_batchnorm()
+    done["helper"] = gradients_helper()
+    return done
+
+
+def compiled() -> int:
+    """A torch.compile'd model (aot_eager: dynamo + AOTAutograd, no code generation) trains the same."""
+    return (run_case({"model": "mlp", "form": "opt", "opt": "sgd"}, compiled="aot_eager")
+            + run_case({"model": "cnn", "form": "dp", "opt": "adam"}, compiled="aot_eager"))
+
+
+def compiled_inductor() -> int:
+    """The same with inductor (slow to compile cold on CPU: not in the default test run)."""
+    return (run_case({"model": "mlp", "form": "opt", "opt": "sgd"}, compiled="inductor")
+            + run_case({"model": "cnn", "form": "dp", "opt": "adam"}, compiled="inductor"))
