@@ -153,13 +153,14 @@ def _worker(args: argparse.Namespace) -> int:
         for (a, _, _), (b, _, _) in zip(impls[::2], impls[1::2], strict=True):  # a pair runs the same loop
             iters[a] = iters[b] = max(iters[a], iters[b])
         samples: dict[str, list[float]] = {name: [] for name, _, _ in impls}
-        for repeat in range(args.repeats):
-            # Interleaved, so drift on a shared machine hits all alike, and rotated, so no
-            # implementation always runs right after the same other one.
-            k = repeat % len(impls)
-            for name, world, _ in impls[k:] + impls[:k]:
-                with _as_global(world or main_world):
-                    samples[name].append(_time(calls[name], iters[name], slowest))
+        for pair in zip(impls[::2], impls[1::2], strict=True):
+            # phalanx and its baseline interleaved, so drift on a shared machine hits both alike,
+            # alternating which goes first; the other transport's pair runs apart from them
+            # (Gloo's threads and buffers would otherwise disturb the MPI timings).
+            for repeat in range(args.repeats):
+                for name, world, _ in (pair if repeat % 2 == 0 else pair[::-1]):
+                    with _as_global(world or main_world):
+                        samples[name].append(_time(calls[name], iters[name], slowest))
         row = {"bytes": count * 4, "iterations": iters,
                "seconds": {k: statistics.median(v) for k, v in samples.items()}, "samples": samples}
         results.append(row)
