@@ -138,6 +138,8 @@ def main() -> None:
         run(sys.argv[1:])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code == 0 and os.environ.get("PHALANX_BACKEND") in ("gloo", "nccl"):
+            _exit_past_torch_teardown()
         _abort_at_exit(code)
         raise
     except KeyboardInterrupt as exc:
@@ -146,6 +148,29 @@ def main() -> None:
         sys.exit(130)
     except BaseException as exc:  # noqa: BLE001 - every uncaught error must end the job
         fail(exc)
+    if os.environ.get("PHALANX_BACKEND") in ("gloo", "nccl"):
+        _exit_past_torch_teardown()
+
+
+def _exit_past_torch_teardown() -> None:
+    """End a torch.distributed rank that finished cleanly without C++ static teardown.
+
+    torch 2.13's Gloo teardown sometimes dies in ``terminate called without an
+    active exception`` (SIGABRT) after the script has finished, even after
+    ``destroy_process_group()`` (about 1 exit in 20, raw torch too), which
+    would turn a successful job into a failed one. Python's own exit work
+    (atexit handlers: the user's files, loggers) runs first; only the C++
+    destructors are skipped. MPI ranks never take this path: they must finalize.
+    """
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not turn success into failure
+            pass
+    os._exit(0)
 
 
 if __name__ == "__main__":
