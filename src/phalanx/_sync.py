@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ._arrays import UnsupportedArgumentError
-from ._collectives import allgather, allreduce, broadcast
+from ._collectives import allreduce, broadcast
 from ._errors import CollectiveMismatchError, InvalidArgumentError
 from ._tree import Node, flatten, unflatten
 from ._world import current
@@ -221,13 +221,8 @@ def _agree(leaves: list[_Leaf], root: int, size: int) -> None:
 
 
 def _explain(leaves: list[_Leaf], root: int, size: int) -> None:
-    # JSON through uint8 arrays, never pickle: nothing a peer sends can run code here.
-    mine = json.dumps({"root": root, "entries": [[*leaf.key(), leaf.note] for leaf in leaves]}).encode()
-    lengths = allgather(np.array([len(mine)], np.int64))[:, 0]
-    padded = np.zeros(int(lengths.max()), np.uint8)
-    padded[:len(mine)] = np.frombuffer(mine, np.uint8)
-    rows = allgather(padded)
-    tables = [json.loads(rows[r, :int(lengths[r])].tobytes()) for r in range(size)]
+    tables = current("synchronize").allgather_json(
+        "synchronize", {"root": root, "entries": [[*leaf.key(), leaf.note] for leaf in leaves]})
     roots = [t["root"] for t in tables]
     if len(set(roots)) > 1:
         lines = [f"  rank {r}: root={x}" for r, x in enumerate(roots)]

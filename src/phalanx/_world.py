@@ -120,11 +120,7 @@ class World:
 
     def explain_mismatch(self, call: str, buf: Buffer | None, op: str | None, root: int) -> None:
         """Every rank reached here together: exchange descriptions and raise the same error."""
-        mine = json.dumps(self.describe(call, buf, op, root)).encode()
-        try:
-            entries = [json.loads(b) for b in self.backend.allgather_bytes(mine, self.timeout)]
-        except WaitTimeout:
-            raise self.timed_out(call) from None
+        entries = self.allgather_json(call, self.describe(call, buf, op, root))
         lines = []
         for r, e in enumerate(entries):
             args = ", ".join(f"{k}={e[k]!r}" if k != "buffer" else e[k]
@@ -150,6 +146,17 @@ class World:
             f"phalanx.{call}: the ranks' calls do not match ({field} differs), so nothing was sent:\n"
             + "\n".join(lines) + f"\n{hint}"
         )
+
+    def allgather_json(self, call: str, value: Any) -> list[Any]:
+        """Every rank's JSON-able ``value``, in rank order: how ranks explain a mismatch to each
+        other (JSON, never pickle, so nothing a peer sends can run code here)."""
+        try:
+            parts = self.backend.allgather_bytes(json.dumps(value).encode(), self.timeout)
+        except WaitTimeout:
+            raise self.timed_out(call) from None
+        except PeerLost as exc:
+            raise self.peer_lost(call, exc) from None
+        return [json.loads(p) for p in parts]
 
     # -- failures -------------------------------------------------------------
     def timed_out(self, call: str) -> CollectiveTimeoutError:

@@ -14,13 +14,12 @@ buckets in the same order by construction.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .._collectives import allgather, allreduce
+from .._collectives import allreduce
 from .._errors import CollectiveMismatchError, WorldBrokenError
 from .._world import World, current
 from ..comm._base import PeerLost, WaitTimeout
@@ -44,12 +43,7 @@ def verify_same_structure(call: str, entries: list[str], what: str = "parameter"
     agreed = allreduce(np.array([mine, -mine], np.int64), op="max")
     if int(agreed[0]) == mine and int(agreed[1]) == -mine:
         return
-    payload = np.frombuffer(json.dumps(entries).encode(), np.uint8)
-    sizes = allgather(np.array([payload.size], np.int64))[:, 0]
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[:payload.size] = payload
-    rows = allgather(padded)
-    lists: list[list[str]] = [json.loads(rows[r, :int(sizes[r])].tobytes()) for r in range(world.size)]
+    lists: list[list[str]] = world.allgather_json(call, entries)
     longest = max(len(x) for x in lists)
     first = next((i for i in range(longest)
                   if len({x[i] if i < len(x) else None for x in lists}) > 1), longest)
