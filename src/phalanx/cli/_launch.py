@@ -15,6 +15,7 @@ every rank (exit status 130 or 143).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -26,9 +27,22 @@ from types import FrameType
 
 from ._procs import signal_name
 
-__all__ = ["GRACE", "Launch", "LaunchError", "Signals", "launch", "worker_command"]
+__all__ = ["GRACE", "Launch", "LaunchError", "Signals", "launch", "stop_grace", "worker_command"]
 
-GRACE = 3.0  # seconds between SIGTERM and SIGKILL when stopping ranks
+GRACE = 3.0  # seconds between SIGTERM and SIGKILL when stopping ranks after a failure
+
+
+def stop_grace() -> float:
+    """Seconds between SIGTERM and SIGKILL when the *user* stops the job (Ctrl-C, SIGTERM).
+
+    Long enough for a training loop that handles SIGTERM (``phalanx.train.fit``)
+    to finish its step and write a checkpoint; a second Ctrl-C kills at once.
+    ``PHALANX_STOP_GRACE`` changes it (torchrun waits 30 s, too).
+    """
+    try:
+        return max(0.0, float(os.environ.get("PHALANX_STOP_GRACE", "30")))
+    except ValueError:
+        return 30.0
 
 
 class LaunchError(Exception):
@@ -75,6 +89,11 @@ class Signals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = self.received or signum
         self.count += 1
+        if self.count == 1:
+            with contextlib.suppress(RuntimeError):  # a reentrant write to stderr: skip the notice
+                notice(f"{signal_name(signum)}: stopping every rank (a rank that handles it, like "
+                       f"phalanx.train.fit, gets up to {stop_grace():g} s to finish its step and write a "
+                       "checkpoint; press Ctrl-C again to kill them now).")
 
     @property
     def exit_code(self) -> int:

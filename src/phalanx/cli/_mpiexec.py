@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._launch import GRACE, Launch, LaunchError, Signals, notice, worker_command
+from ._launch import GRACE, Launch, LaunchError, Signals, notice, stop_grace, worker_command
 from ._logs import FileFollower, log_path, pump
 from ._procs import child_setup, descendants, kill_pids
 from ._report import ECHOES, Death, any_record, failure_report, first_failure, read_records
@@ -170,7 +170,7 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
         if signals.count > forwarded:  # Hydra and Open MPI pass SIGINT/SIGTERM on to the ranks
             forwarded = signals.count
             _send(proc, signals.received or 15)
-            kill_at = now if forwarded > 1 else (kill_at or now + GRACE)
+            kill_at = now if forwarded > 1 else (kill_at or now + stop_grace())
         elif terminate_at is None and kill_at is None and any_record(job_dir):
             terminate_at = now + ABORT_GRACE  # MPI_Abort normally ends the job long before this
         if terminate_at is not None and now >= terminate_at and kill_at is None:

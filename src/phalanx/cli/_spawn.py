@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ._launch import GRACE, Launch, Signals, worker_command
+from ._launch import GRACE, Launch, Signals, stop_grace, worker_command
 from ._logs import Echo, log_path, pump
 from ._procs import child_setup, stop_groups
 from ._report import Death, any_record, failure_report, first_failure, read_records
@@ -91,7 +91,8 @@ def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) 
         time.sleep(POLL)
 
     if running:
-        stopped = _stop(procs, running, set(read_records(job_dir)), reap, lambda: signals.count > 1)
+        grace = stop_grace() if signals.received and not failed else GRACE
+        stopped = _stop(procs, running, set(read_records(job_dir)), reap, lambda: signals.count > 1, grace)
         for rank in stopped:
             deaths[rank].by_launcher = True
     for thread in readers:
@@ -114,17 +115,17 @@ def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) 
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], running: list[int], recorders: set[int],
-          reap: Callable[[], list[int]], hurry: Callable[[], bool]) -> list[int]:
+          reap: Callable[[], list[int]], hurry: Callable[[], bool], grace: float = GRACE) -> list[int]:
     """Stop the ranks still running; return the ones the launcher had to signal.
 
     A rank that recorded its exception is already on its way out (a torch process takes
     ~0.5 s to exit): it gets the grace period to exit by itself, so the report shows its own
-    exit status. The others get SIGTERM at once, SIGKILL after the grace period.
+    exit status. The others get SIGTERM at once, SIGKILL after ``grace`` seconds.
     """
     others = [r for r in running if r not in recorders]
     leaving = [r for r in running if r in recorders]
     deadline = time.monotonic() + GRACE
-    stop_groups([procs[r].pid for r in others], lambda: [r for r in reap() if r in others], GRACE, hurry)
+    stop_groups([procs[r].pid for r in others], lambda: [r for r in reap() if r in others], grace, hurry)
     while [r for r in reap() if r in leaving] and time.monotonic() < deadline and not hurry():
         time.sleep(0.02)
     late = [r for r in reap() if r in leaving]
