@@ -89,3 +89,10 @@ class InvalidArgumentError(PhalanxError, ValueError):
 class UsageError(PhalanxError, RuntimeError):
     """A phalanx object was used out of order, e.g. ``zero_grad()`` while gradient reductions
     are in flight, or two gradient wrappers on the same parameters."""
+
+
+class MissingDependencyError(PhalanxError, ImportError):
+    """An optional package a feature needs (tensorboard, wandb, mlflow, ...) is not installed.
+
+    The message names the pip package to install.
+    """

@@ -14,6 +14,9 @@ from __future__ import annotations
 from ._optimizer import DistributedOptimizer
 from ._parallel import DataParallel
 
+# in-process replicas (replicate, Replicas, withdevices)
+from ._replicas import Replicas, replicate, withdevices
+
 # data loading (DistributedSampler, dataloader_context)
 from ._sampler import DistributedSampler, dataloader_context
 
@@ -29,4 +32,8 @@ __all__ = [
     "DistributedOptimizer",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
+    # in-process replicas
+    "Replicas",
+    "replicate",
+    "withdevices",
 ]

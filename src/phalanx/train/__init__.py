@@ -24,7 +24,8 @@ from typing import Any
 
 _EXPORTS = {
     # the loop
-    "fit": "._fit", "History": "._fit",
+    "fit": "._fit", "History": "._history", "TrainingError": "._fit", "evaluate": "._metrics",
+    "StopSignal": "._signals",
     # checkpoints
     "save_checkpoint": "._checkpoint", "load_checkpoint": "._checkpoint",
     "capture_state": "._checkpoint", "restore_state": "._checkpoint",
