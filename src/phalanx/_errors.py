@@ -14,6 +14,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "InvalidArgumentError",
     "LaunchEnvironmentError",
+    "MissingDependencyError",
     "NotInitializedError",
     "PhalanxError",
     "RankFailedError",
