@@ -52,7 +52,8 @@ def main() -> None:
     registry = pt.load_registry(args.registry)
     if args.dataset == "tiny-imagenet":
         if phalanx.rank() == 0:  # one writer; the others wait below
-            pt.make_tiny_imagenet(registry.entry("tiny-imagenet")["path"])
+            pt.make_tiny_imagenet(registry.entry("tiny-imagenet")["path"], classes=10, train_per_class=48,
+                                  val_per_class=12)
         phalanx.barrier()
     resize = round(args.image_size * 256 / 224)
     train_set = registry.open(args.dataset, "train", transform=pt.train_transform(args.image_size))

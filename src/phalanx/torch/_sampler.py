@@ -158,8 +158,12 @@ def dataloader_context(num_workers: int = 1) -> BaseContext | None:
     """
     if num_workers == 0 or not _runs_mpi():
         return None
-    methods = multiprocessing.get_all_start_methods()
-    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    # Workers fork from a server that has imported torch once: ~4 s to start them instead of ~11 s.
+    context.set_forkserver_preload(["torch"])
+    return context
 
 
 def _runs_mpi() -> bool:

@@ -37,7 +37,8 @@ _EXPORTS = {
     # datasets
     "DatasetRegistry": "._registry", "load_registry": "._registry",
     "ImageFolder": "._images", "ImageNet": "._images",
-    "train_transform": "._images", "eval_transform": "._images",
+    "train_transform": "._images", "eval_transform": "._images", "ImageReadError": "._images",
+    "IMAGENET_MEAN": "._images", "IMAGENET_STD": "._images",
     "make_tiny_imagenet": "._tiny",
 }
 

@@ -278,16 +278,18 @@ class _Run:
         o = self.o
         train = SeededSamples(o.train_data, o.seed)
         per_step = self.global_batch * o.accumulate
+        batches = GlobalBatches(len(o.train_data), local=self.local, parts_before=self.rank * self.local,
+                                total=self.global_batch, epoch=self.epoch, seed=o.seed, shuffle=o.shuffle)
+        # One loader for the whole run: its workers persist across epochs; the batch sampler runs in
+        # this process, so setting its epoch and start before each iter() is enough.
+        loader = DataLoader(train, batch_sampler=batches, num_workers=o.num_workers, collate_fn=o.collate_fn,
+                            persistent_workers=o.num_workers > 0, **loader_options(o.num_workers))
         while self.global_step < total:
             steps_left = (self.micro_per_epoch * self.global_batch - self.start) // per_step
             limit = min(steps_left, total - self.global_step)
             done = 0
             if limit > 0:
-                batches = GlobalBatches(len(o.train_data), local=self.local,
-                                        parts_before=self.rank * self.local, total=self.global_batch,
-                                        epoch=self.epoch, seed=o.seed, shuffle=o.shuffle, start=self.start)
-                loader = DataLoader(train, batch_sampler=batches, num_workers=o.num_workers,
-                                    collate_fn=o.collate_fn, **loader_options(o.num_workers))
+                batches.epoch, batches.start = self.epoch, self.start
                 micro: list[Any] = []
                 for batch in loader:
                     micro.append(batch)
@@ -305,7 +307,6 @@ class _Run:
                         self._checkpoint()
                     if done == limit:
                         break
-                del loader
             if self.history.stopped is not None:
                 self._checkpoint()
                 return
