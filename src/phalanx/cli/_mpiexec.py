@@ -167,10 +167,18 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
     while proc.poll() is None:
         watch.wait(0.05)
         now = time.monotonic()
-        if signals.count > forwarded:  # Hydra and Open MPI pass SIGINT/SIGTERM on to the ranks
+        if signals.count > forwarded:
             forwarded = signals.count
-            _send(proc, signals.received or 15)
-            kill_at = now if forwarded > 1 else (kill_at or now + stop_grace())
+            sig = signals.received or 15
+            if forwarded > 1:
+                kill_at = now  # a second Ctrl-C: no more waiting
+            elif _signal_local_ranks(job_dir, job.n, sig):
+                # Every rank runs here and got the signal itself: mpiexec is left alone, because Open MPI's
+                # kills the ranks a second after forwarding one, too soon for a checkpoint.
+                terminate_at = now + stop_grace()
+            else:  # ranks on other hosts: mpiexec passes SIGINT/SIGTERM on (Hydra, Open MPI)
+                _send(proc, sig)
+                kill_at = kill_at or now + stop_grace()
         elif terminate_at is None and kill_at is None and any_record(job_dir):
             terminate_at = now + ABORT_GRACE  # MPI_Abort normally ends the job long before this
         if terminate_at is not None and now >= terminate_at and kill_at is None:
@@ -326,6 +334,19 @@ class _Watch:
         for fd in self.fds:
             os.close(fd)
         self.fds.clear()
+
+
+def _signal_local_ranks(job_dir: str, n: int, sig: int) -> bool:
+    """Send ``sig`` to every rank directly when all ``n`` run on this host; False (nothing sent) otherwise."""
+    ranks = _pid_files(job_dir)
+    if len(ranks) != n or any(host != _HOST for _, host in ranks.values()):
+        return False
+    for pid, _ in ranks.values():
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            continue
+    return True
 
 
 def _kill_stray_ranks(job_dir: str) -> None:
