@@ -167,8 +167,8 @@ def test_info_shows_the_installation_as_text_and_json() -> None:
 
 
 @pytest.mark.skipif("mpi" not in AVAILABLE, reason="no mpi backend here")
-def test_demo_reports_agreement() -> None:
-    out = phalanx_cli("demo")
+def test_demo_smoke_reports_agreement() -> None:
+    out = phalanx_cli("demo", "--smoke")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "OK: 2 processes agreed on every collective (backend mpi)" in out.stdout
 

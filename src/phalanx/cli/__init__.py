@@ -5,7 +5,7 @@
     phalanx run -n 4 train.py --lr 0.1      # 4 ranks; the first failure stops all and is reported
     phalanx run -n 2 --backend gloo -m pkg.train
     phalanx info [--json]                   # versions, backends, GPUs, MPI, settings
-    phalanx demo                            # a 2-rank smoke test of the collectives
+    phalanx demo                            # train on digits with 1 and 2 processes, compare
     phalanx bench ...                       # benchmarks
 
 Each command imports what it needs when it runs, so ``import phalanx.cli``
@@ -24,7 +24,7 @@ __all__ = ["main"]
 _COMMANDS = {
     "run": "start N ranks of a script and supervise them",
     "info": "show versions, backends, GPUs and MPI",
-    "demo": "run a 2-rank smoke test of the collectives",
+    "demo": "train a small network on 1 and 2 processes and compare (--smoke: collectives only)",
     "bench": "benchmark collectives against raw mpi4py/torch.distributed",
 }
 

@@ -1,4 +1,4 @@
-"""The rank program of ``phalanx demo``: every collective, checked against what it must give.
+"""The rank program of ``phalanx demo --smoke``: every collective, checked against what it must give.
 
 Run as ``phalanx run -n 2 -m phalanx.cli._smoke``. Rank r contributes the
 value r + 1; every rank checks every result, and the ranks agree on the

@@ -1,0 +1,1 @@
+../src/phalanx/examples/digits.py
