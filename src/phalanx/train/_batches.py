@@ -26,7 +26,7 @@ resume in the middle of the epoch.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -96,12 +96,16 @@ class SeededSamples(Dataset[Any]):
             random.setstate(py_state)
 
 
-def sized(call: str, name: str, data: Any) -> Sized:
+def sized(call: str, name: str, data: Any) -> Any:
+    """``data`` as a map-style dataset: a tuple of equally long arrays/tensors is split by sample."""
+    from .._data import _Columns
     from .._errors import InvalidArgumentError
 
+    if isinstance(data, tuple) and data and all(hasattr(c, "shape") and len(c.shape) for c in data):
+        return _Columns(data)  # (X, Y): sample i is (X[i], Y[i]), as DistributedDataContainer does
     if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
         raise InvalidArgumentError(
             f"phalanx.train.{call}({name}={type(data).__name__}): give a map-style dataset (with len() and "
             "indexing), e.g. a torch Dataset, a list of (input, target) pairs, or a tuple of tensors "
-            "wrapped in torch.utils.data.TensorDataset.")
+            "(X, Y) split by sample.")
     return data

@@ -123,9 +123,9 @@ class _Options:
         bad = _bad_arguments(args)
         if bad:
             raise InvalidArgumentError(f"phalanx.train.fit: {bad}")
-        sized("fit", "train_data", args["train_data"])
+        self.train_data = sized("fit", "train_data", args["train_data"])
         if args["val_data"] is not None:
-            sized("fit", "val_data", args["val_data"])
+            self.val_data = sized("fit", "val_data", args["val_data"])
         self.topk = tuple(int(k) for k in args["topk"])
         self.loggers = list(args["loggers"])
         return self
@@ -426,7 +426,7 @@ class _Run:
             what.append("a NaN/Inf loss")
         if (failures & _OOM).any():
             what.append("an out-of-memory error")
-        where = f"step {self.global_step} (epoch {self.epoch}): {' and '.join(what)} on rank(s) {ranks}"
+        where = f"step {self.global_step} (epoch {self._epochs_done():g}): {' and '.join(what)} on rank(s) {ranks}"
         if ((failures & _NONFINITE).any() and o.on_nonfinite == "raise") or (
                 (failures & _OOM).any() and o.on_oom == "raise"):
             raise TrainingError(
@@ -464,8 +464,11 @@ class _Run:
     def _lr(self) -> float:
         return float(self.inner.param_groups[0]["lr"])
 
+    def _epochs_done(self) -> float:
+        return round(self.epoch + self.start / (self.micro_per_epoch * self.global_batch), 4)
+
     def _record(self, metrics: dict[str, float]) -> None:
-        record = {"step": self.global_step, "epoch": self.epoch, **metrics}
+        record = {"step": self.global_step, "epoch": self._epochs_done(), **metrics}
         self.history.append(record)
         for lg in self.loggers:
             lg.log_metrics(metrics, self.global_step)
@@ -477,7 +480,8 @@ class _Run:
         elapsed = time.monotonic() - self.started
         metrics = {"train/loss": float(w[0] / w[1])}
         for k, hits in zip(self.o.topk, w[2:], strict=True):
-            metrics[f"train/top{k}"] = float(hits / w[1])
+            if not math.isnan(hits):  # NaN: the outputs are not class logits
+                metrics[f"train/top{k}"] = float(hits / w[1])
         metrics.update({"lr": self._lr(), "samples_per_s": self.samples_done / elapsed if elapsed else 0.0})
         self._record(metrics)
         if self.bar is not None:
@@ -502,7 +506,7 @@ class _Run:
         if self.rank == 0 and not any(type(lg).__name__ == "ConsoleLogger" for lg in self.loggers):
             shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if not k.endswith("/samples"))
             train = self.history.last("train/loss")
-            head = f"epoch {self.epoch} step {self.global_step}:"
+            head = f"epoch {self._epochs_done():g} step {self.global_step}:"
             _message(self.bar, f"{head} {'' if train is None else f'train/loss {train:.4g}  '}{shown}")
 
     def _checkpoint(self) -> None:

@@ -34,7 +34,7 @@ def batch_sums(outputs: Any, targets: Any, loss: torch.Tensor, topk: Sequence[in
     """``[loss * n, n, correct@k for k in topk]`` for one batch whose ``loss`` is a batch mean.
 
     Top-k counts are those of class logits (``outputs`` of shape ``(n, classes)`` and integer
-    ``targets`` of shape ``(n,)``); for any other kind of output they are 0.
+    ``targets`` of shape ``(n,)``); for any other kind of output they are NaN (and not reported).
     """
     n = _batch_len(targets)
     sums = [float(loss.detach()) * n, float(n)]
@@ -45,7 +45,7 @@ def batch_sums(outputs: Any, targets: Any, loss: torch.Tensor, topk: Sequence[in
             hit = top == targets.reshape(-1, 1).to(top.device)
             sums += [float(hit[:, :min(k, kmax)].any(dim=1).sum()) for k in topk]
     else:
-        sums += [0.0] * len(topk)
+        sums += [float("nan")] * len(topk)
     return sums
 
 
@@ -101,7 +101,7 @@ def evaluate(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]
     losses do by default). Returns ``{prefix/loss, prefix/top{k}..., prefix/samples}``.
     The model is put in eval mode and restored afterwards.
     """
-    sized("evaluate", "data", data)
+    data = sized("evaluate", "data", data)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidArgumentError(f"phalanx.train.evaluate(batch_size={batch_size!r}): give an int >= 1.")
     rank, size = (_world.rank(), _world.size()) if _world.initialized() else (0, 1)
@@ -127,7 +127,8 @@ def evaluate(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]
     count = sums[1]
     metrics = {f"{prefix}/loss": float(sums[0] / count) if count else float("nan")}
     for k, correct in zip(topk, sums[2:], strict=True):
-        metrics[f"{prefix}/top{k}"] = float(correct / count) if count else float("nan")
+        if not np.isnan(correct):  # NaN: the outputs are not class logits
+            metrics[f"{prefix}/top{k}"] = float(correct / count) if count else float("nan")
     metrics[f"{prefix}/samples"] = float(count)
     return metrics
 

@@ -2,7 +2,7 @@
 
 ::
 
-    from phalanx.train._signals import StopSignal
+    from phalanx.train import StopSignal
 
     with StopSignal() as stop:                  # SIGTERM and SIGINT no longer kill the process
         for step in range(start, steps):
