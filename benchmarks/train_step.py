@@ -2,8 +2,8 @@
 
 ::
 
-    python benchmarks/train_step.py --ranks 2 --rounds 7 \\
-        --json benchmarks/results/train-step-2.json --png benchmarks/train_step.png
+    python benchmarks/train_step.py --ranks 2 --rounds 7 --steps 15 \\
+        --json benchmarks/results/train-step-2.json --png benchmarks/train_step.png   # ~4 min on 2 cores
     python benchmarks/train_step.py --replot benchmarks/results/train-step-2.json --png out.png
 
 One invocation is a *driver*: in every round it starts, one after the other
@@ -17,14 +17,15 @@ phalanx launcher and collects what their rank 0 writes:
   of all gradients flattened into one buffer, step), and the same step with no
   communication at all (what running N ranks on the machine costs by itself);
 * a gloo world of ``--ranks`` ranks: the same four phalanx variants, torch
-  ``DistributedDataParallel`` and DDP with its ``bf16_compress_hook``.
+  ``DistributedDataParallel`` and DDP with the body of its ``bf16_compress_hook``.
 
 Each world times all its variants on both models (an MLP 512→1024→4×1024→10,
 4.73M parameters, and a small CNN on 3×32×32 images), one after the other in
 an order that also rotates per round: per variant ``--warmup`` steps, then
 ``--steps`` timed steps (zero_grad, forward, cross-entropy, backward,
 reduction, SGD step). One thread per rank (``torch.set_num_threads(1)``), so
-N ranks use N cores. A figure is the median over rounds of the *slowest
+N ranks use N cores, and every process first puts glibc's malloc in its
+steady state (:func:`settle_allocator`). A figure is the median over rounds of the *slowest
 rank's* mean step time; samples/s = ranks × batch / step time; weak-scaling
 efficiency = samples/s at N ranks / (N × samples/s of the 1-process run);
 ×DDP = samples/s / samples/s of torch DDP (gloo), compression off.
@@ -37,6 +38,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import shlex
 import statistics
 import subprocess
@@ -48,7 +50,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["VARIANTS", "Variant", "main", "summarize"]
+__all__ = ["VARIANTS", "Variant", "build_model", "main", "make_step", "plot", "settle_allocator", "summarize",
+           "table"]
 
 WORLDS = ("single", "mpi", "gloo")
 
@@ -215,6 +218,24 @@ def _versions(backend: str) -> dict[str, str]:
     return found
 
 
+def settle_allocator() -> None:
+    """Put glibc's malloc in the state a long-running process reaches, the same for every variant.
+
+    A fresh process gives freed memory back to the system (``munmap``, heap
+    trimming) and page-faults it in again on the next step: thousands of page
+    faults per step for the MLP, several ms. Freeing one large mmapped block
+    raises glibc's dynamic mmap threshold to its size (at most 32 MiB) and the
+    trim threshold to twice that, after which step-sized blocks are reused.
+    Otherwise the variants a process ran before decide which regime it
+    measures (a 1-process baseline in a fresh process measures slower than
+    each of two ranks that ran other variants first).
+    """
+    import torch
+
+    block = torch.empty(31 << 18)  # 31 MiB of float32, never touched: mmapped, then freed
+    del block
+
+
 def worker(args: argparse.Namespace) -> int:
     """Run inside one world: time every variant of this world on every model; rank 0 writes ``--out``."""
     import numpy as np
@@ -223,6 +244,8 @@ def worker(args: argparse.Namespace) -> int:
     import phalanx
 
     torch.set_num_threads(1)
+    if not args.fresh_allocator:
+        settle_allocator()
     phalanx.init()
     world, rank, size = args.world, phalanx.rank(), phalanx.size()
     backend = phalanx.backend().name
@@ -244,17 +267,20 @@ def worker(args: argparse.Namespace) -> int:
                 step()
         built = time.perf_counter() - built
         phalanx.barrier()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         for _ in range(args.steps):
             step()
         mine = (time.perf_counter() - start) / args.steps
+        faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
         per_rank = phalanx.allgather(np.array(mine))
         with torch.no_grad():  # did the replicas stay identical (they do whenever gradients are reduced)?
             checksum = float(sum(p.double().sum() for p in model.parameters()))
         agree = len({float(v) for v in phalanx.allgather(np.array(checksum))}) == 1
         notes = sorted({f"{w.category.__name__}: {str(w.message)[:300]}" for w in caught})
         results[f"{model_name}:{key}"] = {"rank_s": [float(v) for v in per_rank], "notes": notes,
-                                          "setup_s": round(built, 3), "replicas_agree": agree}
+                                          "setup_s": round(built, 3), "replicas_agree": agree,
+                                          "page_faults_per_step": round(faults, 1)}
         del step, model
         gc.collect()
     if rank == 0:
@@ -276,6 +302,8 @@ def _world_command(world: str, args: argparse.Namespace, round_index: int, out: 
              "--out", out, "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
              "--models", ",".join(args.models), "--variants", ",".join(args.variants),
              "--mlp-width", str(args.mlp_width), "--cnn-width", str(args.cnn_width)]
+    if args.fresh_allocator:
+        inner.append("--fresh-allocator")
     if world == "single":
         return [sys.executable, *inner]
     return [sys.executable, "-m", "phalanx", "run", "-n", str(args.ranks), "--backend", world, *inner]
@@ -363,7 +391,8 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         "machine": _machine(), "versions": versions,
         "settings": {"ranks": args.ranks, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
                      "batch_per_rank": args.batch, "models": args.models, "variants": args.variants,
-                     "mlp_width": args.mlp_width, "cnn_width": args.cnn_width, "threads_per_rank": 1},
+                     "mlp_width": args.mlp_width, "cnn_width": args.cnn_width, "threads_per_rank": 1,
+                     "settled_allocator": not args.fresh_allocator},
         "rounds": rounds,
     }
     record["summary"] = summarize(record)
@@ -436,7 +465,8 @@ def plot(record: dict[str, Any], path: str) -> None:
     colors = {"single": "#999999", "mpi": "#1f77b4", "gloo": "#ff7f0e"}
     for ax, (model_name, block) in zip(axes[0], summary.items(), strict=True):
         rows = list(block["rows"].items())[::-1]
-        labels = [r["label"].replace("N ranks", f"{s['ranks']} ranks") for _, r in rows]
+        labels = [r["label"].replace("N ranks", f"{s['ranks']} ranks")
+                  + (" (ignored)" if any("ignored" in note for note in r["notes"]) else "") for _, r in rows]
         values = [r["samples_per_s"] for _, r in rows]
         bars = ax.barh(range(len(rows)), values, color=[colors[BY_KEY[k].world] for k, _ in rows])
         hatch = [k.startswith("gloo/DDP") or k == "mpi/hand" or k.endswith("/none") or k == "single"
@@ -457,9 +487,10 @@ def plot(record: dict[str, Any], path: str) -> None:
         ax.set_xlim(0, max(values + [s["ranks"] * block["rows"].get("single", {"samples_per_s": 0})[
             "samples_per_s"]]) * 1.3)
         ax.set_title(f"{MODELS[model_name]}, {block['params'] / 1e6:.2f}M params", fontsize=10)
-        ax.legend(loc="lower right", fontsize=8)
+        ax.legend(loc="upper right", fontsize=8)
     fig.suptitle(f"Training step, {s['ranks']} ranks × 1 thread, batch {s['batch_per_rank']}/rank "
-                 f"(median of {s['rounds']} rounds × {s['steps']} steps; blue mpi, orange gloo)", fontsize=10)
+                 f"(median of {s['rounds']} rounds × {s['steps']} steps)\n"
+                 "blue: mpi world, orange: gloo world, grey: 1 process; hatched: baselines", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -478,6 +509,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated variant keys (default: all): " + ", ".join(BY_KEY))
     p.add_argument("--mlp-width", type=int, default=1024, help="MLP hidden size (1024: 4.73M parameters)")
     p.add_argument("--cnn-width", type=int, default=16, help="CNN channels of the first conv layer")
+    p.add_argument("--fresh-allocator", action="store_true",
+                   help="measure in fresh processes' malloc state (page faults every step; see settle_allocator)")
     p.add_argument("--world-timeout", type=float, default=300, help="seconds one world may take")
     p.add_argument("--json", dest="json_path", help="write all raw numbers and the summary here")
     p.add_argument("--png", dest="png_path", help="write the chart here")
