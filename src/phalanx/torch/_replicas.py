@@ -44,11 +44,8 @@ write no shared state.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TypeVar, overload
 
 import numpy as np
@@ -60,78 +57,11 @@ from .. import _world
 from .._collectives import allreduce
 from .._errors import CollectiveMismatchError, InvalidArgumentError
 from ._common import verify_same_structure
+from ._threads import resolve_devices, withdevices
 
 __all__ = ["Replicas", "replicate", "withdevices"]
 
 T = TypeVar("T")
-
-
-# -- devices -------------------------------------------------------------------------------------
-
-def _cuda_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _resolve_devices(call: str, devices: Any) -> list[torch.device]:
-    """``devices`` as a list of torch.device: None (every GPU), an int k, or a list of devices."""
-    gpus = _cuda_count()
-    if devices is None:
-        if gpus == 0:
-            raise InvalidArgumentError(
-                f"phalanx.torch.{call}(devices=None): None means every visible GPU, and there is none "
-                "here. Pass an int for that many CPU replicas, e.g. `phalanx.torch.replicate(model, 2)`.")
-        return [torch.device("cuda", i) for i in range(gpus)]
-    if isinstance(devices, bool) or isinstance(devices, (str, torch.device)):
-        raise InvalidArgumentError(
-            f"phalanx.torch.{call}(devices={devices!r}): pass a list of devices, e.g. "
-            "`['cuda:0', 'cuda:1']` or `['cpu', 'cpu']`, or an int k.")
-    if isinstance(devices, (int, np.integer)):
-        k = int(devices)
-        if k < 1:
-            raise InvalidArgumentError(
-                f"phalanx.torch.{call}(devices={k}): the number of replicas must be at least 1.")
-        if gpus == 0:
-            return [torch.device("cpu")] * k
-        if k > gpus:
-            raise InvalidArgumentError(
-                f"phalanx.torch.{call}(devices={k}): asked for the first {k} GPUs, but {gpus} "
-                f"{'is' if gpus == 1 else 'are'} visible. Pass at most {gpus}, or a list of devices "
-                "(e.g. `['cpu'] * k` for CPU replicas).")
-        return [torch.device("cuda", i) for i in range(k)]
-    try:
-        items = list(devices)
-    except TypeError:
-        raise InvalidArgumentError(
-            f"phalanx.torch.{call}(devices={devices!r}): pass a list of devices, an int k or None "
-            "(every visible GPU).") from None
-    if not items:
-        raise InvalidArgumentError(f"phalanx.torch.{call}(devices=[]): pass at least one device.")
-    return [_one_device(call, d, gpus) for d in items]
-
-
-def _one_device(call: str, spec: Any, gpus: int) -> torch.device:
-    try:
-        device = torch.device(spec)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise InvalidArgumentError(
-            f"phalanx.torch.{call}: {spec!r} is not a device ({exc}). Use e.g. 'cpu', 'cuda:0' or "
-            "torch.device('cuda', 1).") from None
-    if device.type == "cpu":
-        return torch.device("cpu")
-    if device.type != "cuda":
-        raise InvalidArgumentError(
-            f"phalanx.torch.{call}: device {spec!r} is of type {device.type!r}; replicas run on "
-            "'cpu' and 'cuda' devices.")
-    if gpus == 0:
-        raise InvalidArgumentError(
-            f"phalanx.torch.{call}: device {spec!r} is a GPU, but no GPU is visible here "
-            "(torch.cuda.is_available() is False). Use 'cpu' devices, or an int k for k CPU replicas.")
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index >= gpus:
-        raise InvalidArgumentError(
-            f"phalanx.torch.{call}: device {spec!r} does not exist; {gpus} GPU"
-            f"{' is' if gpus == 1 else 's are'} visible (cuda:0 to cuda:{gpus - 1}).")
-    return torch.device("cuda", index)
 
 
 # -- replicate -----------------------------------------------------------------------------------
@@ -151,7 +81,7 @@ def replicate(model: torch.nn.Module, devices: Sequence[torch.device | str | int
         raise InvalidArgumentError(
             f"phalanx.torch.replicate: model is a {type(model).__module__}.{type(model).__qualname__}; "
             "pass a torch.nn.Module.")
-    resolved = _resolve_devices("replicate", devices)
+    resolved = resolve_devices("replicate", devices)
     model.to(resolved[0])
     modules: list[torch.nn.Module] = [model]
     for device in resolved[1:]:
@@ -498,82 +428,3 @@ def _nccl_usable(flats: list[torch.Tensor]) -> bool:
     if not all(f.is_cuda for f in flats) or not hasattr(torch._C, "_nccl_all_reduce"):
         return False
     return nccl.is_available(flats)
-
-
-# -- withdevices ---------------------------------------------------------------------------------
-
-def withdevices(fn: Callable[[int, torch.device], T],
-                replicas: Replicas | Sequence[torch.device | str | int] | int) -> list[T]:
-    """``[fn(i, device) for each replica]``, run concurrently, one thread per replica.
-
-    ``replicas``: a :class:`Replicas`, a list of devices or an int k (as for
-    :func:`replicate`). In each thread the CUDA device is ``device`` (for a GPU),
-    and grad mode, inference mode and autocast are the caller's. torch releases
-    the GIL inside its operators, so CPU replicas compute on several cores at
-    once. Results come back in replica order. If calls raise, every thread is
-    waited for, then the first exception to occur is raised, with a note naming
-    its replica and device.
-    """
-    if isinstance(replicas, Replicas):
-        devices = replicas.devices
-    else:
-        devices = _resolve_devices("withdevices", replicas)
-    state = _ThreadState.capture()
-    if len(devices) == 1:
-        return [_call(fn, 0, devices[0], state)]
-    failures: list[BaseException] = []
-    lock = threading.Lock()
-
-    def run(i: int) -> Any:
-        try:
-            return _call(fn, i, devices[i], state)
-        except BaseException as exc:
-            with lock:
-                failures.append(exc)
-            return None
-
-    with ThreadPoolExecutor(max_workers=len(devices), thread_name_prefix="phalanx-replica") as pool:
-        futures = [pool.submit(run, i) for i in range(len(devices))]
-        results = [f.result() for f in futures]
-    if failures:
-        raise failures[0]
-    return results
-
-
-def _call(fn: Callable[[int, torch.device], T], i: int, device: torch.device, state: _ThreadState) -> T:
-    try:
-        with state.applied(device):
-            return fn(i, device)
-    except BaseException as exc:
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"(in phalanx.torch.withdevices: replica {i}, on {device})")
-        raise
-
-
-class _ThreadState:
-    """The caller's thread-local torch state that a replica's thread must share."""
-
-    def __init__(self, grad: bool, inference: bool, autocast: list[tuple[str, torch.dtype]],
-                 autocast_cache: bool) -> None:
-        self.grad, self.inference = grad, inference
-        self.autocast, self.autocast_cache = autocast, autocast_cache
-
-    @classmethod
-    def capture(cls) -> _ThreadState:
-        kinds = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-        autocast = [(kind, torch.get_autocast_dtype(kind))
-                    for kind in kinds if torch.is_autocast_enabled(kind)]
-        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast,
-                   torch.is_autocast_cache_enabled())
-
-    @contextlib.contextmanager
-    def applied(self, device: torch.device) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            if device.type == "cuda":
-                stack.enter_context(torch.cuda.device(device))
-            if self.inference:
-                stack.enter_context(torch.inference_mode())
-            stack.enter_context(torch.set_grad_enabled(self.grad))
-            for kind, dtype in self.autocast:
-                stack.enter_context(torch.autocast(kind, dtype=dtype, cache_enabled=self.autocast_cache))
-            yield
