@@ -20,7 +20,8 @@ from phalanx.testing import run_world
 @pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
 def test_fit_equals_one_process_and_handles_failures_alike(backend: str, n: int, tmp_path) -> None:
     results = run_world(bodies.equivalence, n, backend, timeout=180, op_timeout=60, args=(str(tmp_path),))
-    assert all(r == {"sgd": True, "adam": True, "sgd-accumulate": True, "scheduler": True, "replicas": True}
+    assert all(r == {"sgd": True, "adam": True, "sgd-accumulate": True, "DataParallel": True,
+                     "DistributedOptimizer": True, "scheduler": True, "replicas": True}
                for r in results), results
     results = run_world(bodies.failures, n, backend, timeout=180, op_timeout=60, args=(str(tmp_path),))
     for r in results:

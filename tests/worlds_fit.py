@@ -108,6 +108,21 @@ def equivalence(tmp: str) -> dict[str, Any]:
         assert abs(h.last("val/loss") - want) < 1e-9, (h.last("val/loss"), want)
         checks[name] = True
 
+    # The user's own wrappers are used as they are: a DataParallel model, or a DistributedOptimizer.
+    import phalanx.torch as ptorch
+
+    for name in ("DataParallel", "DistributedOptimizer"):
+        m = model(torch, 200 + rank)
+        m.load_state_dict(start.state_dict()) if rank == 0 else None
+        if name == "DataParallel":
+            net, opt = ptorch.DataParallel(m), sgd(torch, m)
+        else:
+            net, opt = m, ptorch.DistributedOptimizer(sgd(torch, m))
+        pt.fit(net, ce, opt, ds, batch_size=GLOBAL // size, steps=6, accumulate=2, progress=False)
+        assert same(torch, m, reference(torch, start, sgd, ds, steps=6, accumulate=2)), name
+        net.close() if name == "DataParallel" else opt.close()
+        checks[name] = True
+
     # An LR schedule is really applied, per step.
     m = model(torch, 7 + rank)
     m.load_state_dict(start.state_dict()) if rank == 0 else None
