@@ -44,3 +44,31 @@ def test_sigterm_checkpoint_and_resume_equal_an_uninterrupted_run(backend: str, 
     resumed = run_world(bodies.resume, resumed_at, backend, timeout=120, op_timeout=60,
                         args=(str(tmp_path), "resume"))
     assert all(r == {"resumed": True} for r in resumed), resumed
+
+
+def test_samples_are_seeded_by_seed_epoch_and_index_whoever_loads_them() -> None:
+    # Random augmentation of a sample is the same whatever batch or worker fetches it, and the
+    # training loop's own random streams are left where they were.
+    import random
+
+    import numpy as np
+    import torch
+
+    from phalanx.train._batches import SeededSamples
+
+    class Augmented(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 10
+
+        def __getitem__(self, i: int) -> tuple[float, float, float]:
+            return float(torch.rand(())), float(np.random.rand()), random.random()
+
+    data = SeededSamples(Augmented(), seed=3)
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    alone = data[(1, 4)]
+    in_batch = data.__getitems__([(1, 2), (1, 4), (0, 4)])
+    assert torch.equal(torch.get_rng_state(), before)
+    assert in_batch[1] == alone  # same (epoch, index): same draws
+    assert in_batch[2] != alone and in_batch[0] != alone  # another epoch or sample: other draws
+    assert SeededSamples(Augmented(), seed=4)[(1, 4)] != alone
