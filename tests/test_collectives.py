@@ -33,3 +33,14 @@ def test_nonblocking_objects_and_identity(backend: str, n: int) -> None:
         expected_log = f"{r}/{n} opted in\n" if r else f"0/{n} from every rank?\n0/{n} opted in\n"
         assert ident["log"] == expected_log
 
+
+
+@pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
+def test_large_16_bit_sums_equal_float32_arithmetic(backend: str, n: int) -> None:
+    # MPI has no 16-bit float sum: from 64 KiB phalanx sends the 16-bit words and adds them in float32
+    # itself (half the bytes of widening); the result must not change.
+    import worlds_halfsum
+
+    results = run_world(worlds_halfsum.sums, n, backend, timeout=120, op_timeout=60)
+    assert all(r["checks"] == 27 for r in results), results
+    assert all((r["sixteen_bit"] == 27) == (backend == "mpi" and n > 1) for r in results), results

@@ -33,6 +33,7 @@ import numpy as np
 
 from .._arrays import NATIVE_NUMPY_DTYPES
 from .._errors import BackendUnavailableError
+from . import _halfsum
 from ._wait import poll
 
 __all__ = ["MPIBackend", "mpi_available"]
@@ -306,13 +307,17 @@ class MPIBackend:
             if op == "avg":
                 x /= self.size
             return x
+        if _halfsum.eligible(x, op, self.size):  # 16-bit floats travel as 16 bits
+            return _halfsum.HalfSum(self.comm, self.rank, self.size, x, op, inplace).wait(timeout)
         work, finish = self._reduction_work(x, inplace)
         self.comm.Allreduce(self._in_place, work, self._mpi_op(work, op))
         if op == "avg":
             work /= self.size
         return finish(work)
 
-    def iallreduce(self, x: Any, op: str, inplace: bool) -> _Request:
+    def iallreduce(self, x: Any, op: str, inplace: bool) -> Any:
+        if _halfsum.eligible(x, op, self.size):
+            return _halfsum.HalfSum(self.comm, self.rank, self.size, x, op, inplace)
         work, finish = self._reduction_work(x, inplace)
         req = self.comm.Iallreduce(self.MPI.IN_PLACE, work, self._mpi_op(work, op))
 

@@ -44,9 +44,10 @@ again is harmless with ``avg`` (they are the same on every rank), so several
 backward passes before a step are correct, just slower than ``no_sync``.
 
 **Compression.** ``"bf16"``/``"fp16"`` cast each bucket (after the scaling)
-into its 16-bit copy, reduce that and cast back: gloo and NCCL sum 16 bits
-natively, so half the bytes travel. MPI has no 16-bit float sum (phalanx's
-MPI backend widens halves to float32), so on MPI it is ignored, with a warning.
+into its 16-bit copy, reduce that and cast back: half the bytes travel. gloo
+and NCCL sum 16 bits natively; MPI has no 16-bit float sum, so phalanx's MPI
+backend runs its own (:mod:`phalanx.comm._halfsum`: a reduce-scatter of raw
+16-bit words summed in float32, then an allgather) for buckets from 64 KiB.
 """
 
 from __future__ import annotations
@@ -118,15 +119,6 @@ class GradientBuckets:
         verify_same_structure(call, [f"{n} {str(p.dtype)[6:]}{list(p.shape)} {p.device.type}"
                                      for p, n in pairs])
         self._scale = 1.0 / world.size if op == "avg" else 1.0
-        if compression and world.backend.name == "mpi" and world.size > 1:
-            # MPI has no 16-bit float sum: the backend would widen the bucket to float32 again, which
-            # saves no bytes and cost +40% step time (benchmarks/train_step.py): send full precision.
-            warnings.warn(
-                f"phalanx.{call}(compression={compression!r}) is ignored on the mpi backend: MPI has no "
-                "16-bit float reduction, so 16-bit buckets would travel as float32 anyway (slower, no bytes "
-                "saved). Gradients are reduced in full precision; compression saves bytes on gloo and nccl.",
-                stacklevel=3)
-            compression = None
         self.sync = True
         self.passes_per_reduction = passes_per_reduction
         self._build(bucket_cap_mb, _COMPRESSION.get(compression) if compression else None)
