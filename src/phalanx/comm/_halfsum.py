@@ -45,11 +45,11 @@ def eligible(x: Any, op: str, size: int) -> bool:
 class HalfSum:
     """The two-phase request (module docstring); ``test()``/``wait(timeout)`` like the backend's requests."""
 
-    __slots__ = ("_comm", "_size", "_rank", "_op", "_x", "_flat", "_out", "_recv", "_n", "_c", "_req",
+    __slots__ = ("_comm", "_size", "_op", "_x", "_flat", "_out", "_recv", "_mine", "_n", "_c", "_req",
                  "_phase", "_result", "_torch")
 
-    def __init__(self, comm: Any, rank: int, size: int, x: Any, op: str, inplace: bool) -> None:
-        self._comm, self._rank, self._size, self._op = comm, rank, size, op
+    def __init__(self, comm: Any, size: int, x: Any, op: str, inplace: bool) -> None:
+        self._comm, self._size, self._op = comm, size, op
         self._torch = not isinstance(x, np.ndarray)
         self._x = x if inplace else (x.clone() if self._torch else x.copy())
         flat = self._x.reshape(-1)
@@ -62,6 +62,7 @@ class HalfSum:
             padded[:n] = flat
         self._flat, self._out = flat, padded
         self._recv = self._zeros(size * c)
+        self._mine: Any = None
         self._req = comm.Ialltoall(self._words(padded), self._words(self._recv))
         self._phase = 1
         self._result: Any = None
@@ -78,28 +79,31 @@ class HalfSum:
         return a.view(np.int16)
 
     def _reduce_mine(self) -> Any:
+        """This rank's chunk: every rank's part added up in float32 (rank by rank, no big temporary)."""
         size, c = self._size, self._c
+        parts = self._recv.reshape(size, c)
         if self._torch:
-            total = self._recv.view(size, c).float().sum(0)
-            if self._op == "avg":
-                total /= size
-            return total.to(self._x.dtype)
-        total = self._recv.reshape(size, c).astype(np.float32).sum(0)
+            total = parts[0].float()
+            for r in range(1, size):
+                total.add_(parts[r])
+        else:
+            total = parts[0].astype(np.float32)
+            for r in range(1, size):
+                total += parts[r]
         if self._op == "avg":
             total /= size
-        return total.astype(_F16)
+        return total.to(self._x.dtype) if self._torch else total.astype(_F16)
 
     def test(self) -> bool:
         if self._phase == 1 and self._req.Test():
-            mine = self._reduce_mine()
-            self._req = self._comm.Iallgather(self._words(mine), self._words(self._out))
-            self._recv = mine  # keep the send buffer alive until the gather completes
+            self._mine = self._reduce_mine()  # kept alive until the gather completes
+            self._req = self._comm.Iallgather(self._words(self._mine), self._words(self._out))
             self._phase = 2
         if self._phase == 2 and self._req.Test():
             if self._out is not self._flat:
                 self._flat[:] = self._out[:self._n]
             self._result, self._phase = self._x, 3
-            self._out = self._recv = self._flat = None
+            self._out = self._recv = self._flat = self._mine = None
         return self._phase == 3
 
     def wait(self, timeout: float) -> Any:

@@ -308,7 +308,7 @@ class MPIBackend:
                 x /= self.size
             return x
         if _halfsum.eligible(x, op, self.size):  # 16-bit floats travel as 16 bits
-            return _halfsum.HalfSum(self.comm, self.rank, self.size, x, op, inplace).wait(timeout)
+            return _halfsum.HalfSum(self.comm, self.size, x, op, inplace).wait(timeout)
         work, finish = self._reduction_work(x, inplace)
         self.comm.Allreduce(self._in_place, work, self._mpi_op(work, op))
         if op == "avg":
@@ -317,7 +317,7 @@ class MPIBackend:
 
     def iallreduce(self, x: Any, op: str, inplace: bool) -> Any:
         if _halfsum.eligible(x, op, self.size):
-            return _halfsum.HalfSum(self.comm, self.rank, self.size, x, op, inplace)
+            return _halfsum.HalfSum(self.comm, self.size, x, op, inplace)
         work, finish = self._reduction_work(x, inplace)
         req = self.comm.Iallreduce(self.MPI.IN_PLACE, work, self._mpi_op(work, op))
 

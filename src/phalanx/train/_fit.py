@@ -548,8 +548,6 @@ class _Run:
         if isinstance(extra.get("history"), str):
             previous = History.from_json(extra["history"])
             self.history.records = previous.records
-        if self.replicas is not None:
-            self.replicas.synchronize()
         self._saved_at = self.global_step
         val_steps = self.history.steps("val/loss") if "val/loss" in self.history else []
         self._validated_at = val_steps[-1] if val_steps else -1
