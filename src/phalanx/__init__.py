@@ -13,7 +13,6 @@ adapters load them when they are used.
 
 from __future__ import annotations
 
-from ._arrays import UnsupportedArgumentError
 from ._collectives import (
     Handle,
     allgather,
@@ -40,6 +39,7 @@ from ._errors import (
     NotInitializedError,
     PhalanxError,
     RankFailedError,
+    UnsupportedArgumentError,
     UsageError,
     WorldBrokenError,
 )

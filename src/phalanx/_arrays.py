@@ -15,14 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import PhalanxError
+from ._errors import UnsupportedArgumentError
 
 __all__ = ["DTYPE_CODES", "FLOAT_DTYPES", "NATIVE_NUMPY_DTYPES", "Buffer", "UnsupportedArgumentError",
            "as_buffer"]
-
-
-class UnsupportedArgumentError(PhalanxError, TypeError):
-    """A collective got an argument it cannot send (type, dtype, layout)."""
 
 
 # Canonical dtype names and their codes in call fingerprints.

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 __all__ = [
     "BackendUnavailableError",
+    "CheckpointError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "ImageReadError",
     "InvalidArgumentError",
     "LaunchEnvironmentError",
+    "LaunchError",
     "MissingDependencyError",
     "NotInitializedError",
     "PhalanxError",
     "RankFailedError",
+    "TrainingError",
+    "UnsupportedArgumentError",
     "UsageError",
     "WorldBrokenError",
 ]
@@ -97,3 +102,24 @@ class MissingDependencyError(PhalanxError, ImportError):
 
     The message names the pip package to install.
     """
+
+
+class UnsupportedArgumentError(PhalanxError, TypeError):
+    """A collective got an argument it cannot send (type, dtype, layout)."""
+
+
+class LaunchError(PhalanxError, RuntimeError):
+    """``phalanx run`` (or :func:`phalanx.testing.run_world`) could not start the job: bad arguments,
+    no ``mpiexec``, ...; the message says why and what to change."""
+
+
+class TrainingError(PhalanxError, RuntimeError):
+    """Raised on every rank alike when the failure policy of :func:`phalanx.train.fit` says stop."""
+
+
+class CheckpointError(PhalanxError, RuntimeError):
+    """A checkpoint could not be written, read or restored; the message names the file and the cause."""
+
+
+class ImageReadError(PhalanxError, OSError):
+    """An image file of a dataset could not be read or decoded (the message names the file)."""

@@ -40,7 +40,7 @@ class RankFilter(logging.Filter):
         self.all_ranks = all_ranks
 
     def filter(self, record: logging.LogRecord) -> bool:
-        world = _world._WORLD
+        world = _world.current_or_none()
         record.rank = world.rank if world is not None else -1
         record.size = world.size if world is not None else -1
         if self.all_ranks or getattr(record, "all_ranks", False):

@@ -214,6 +214,19 @@ def _call_site() -> str:
 _WORLD: World | None = None
 
 
+def current_or_none() -> World | None:
+    """The initialized world, or ``None`` before :func:`init` (for code that works either way)."""
+    return _WORLD
+
+
+def swap(world: World | None) -> World | None:
+    """Install ``world`` as this process's world and return the previous one (benchmarks use this
+    to time a second world side by side; everything else goes through :func:`init`)."""
+    global _WORLD
+    previous, _WORLD = _WORLD, world
+    return previous
+
+
 def current(what: str) -> World:
     """The initialized world, or NotInitializedError naming ``what``."""
     world = _WORLD

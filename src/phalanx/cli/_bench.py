@@ -70,12 +70,11 @@ def _as_global(world: Any):
     """Run phalanx's public functions against ``world`` (a second backend in the same processes)."""
     from .. import _world
 
-    saved = _world._WORLD
-    _world._WORLD = world
+    saved = _world.swap(world)
     try:
         yield
     finally:
-        _world._WORLD = saved
+        _world.swap(saved)
 
 
 def _gloo_beside_mpi(mpi_comm: Any) -> Any:

@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass, field
 from types import FrameType
 
+from .._errors import LaunchError
 from ._procs import signal_name
 
 __all__ = ["GRACE", "Launch", "LaunchError", "Signals", "launch", "stop_grace", "worker_command"]
@@ -43,10 +44,6 @@ def stop_grace() -> float:
         return max(0.0, float(os.environ.get("PHALANX_STOP_GRACE", "30")))
     except ValueError:
         return 30.0
-
-
-class LaunchError(Exception):
-    """The job could not be started (bad arguments, no mpiexec, ...); the message says why."""
 
 
 @dataclass

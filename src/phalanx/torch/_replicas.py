@@ -177,7 +177,7 @@ class Replicas(Sequence[torch.nn.Module]):
         per_replica = [[p for p in m.parameters() if p.requires_grad] for m in self._modules]
         _check_same_structure(call, "trainable parameter",
                               [_describe(m.named_parameters(), trainable=True) for m in self._modules])
-        world = _world._WORLD if across_processes else None
+        world = _world.current_or_none() if across_processes else None
         if world is not None and world.size == 1:
             world = None
         if world is not None and self._checked_world is not world:

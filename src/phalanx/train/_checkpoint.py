@@ -85,7 +85,7 @@ import torch
 import phalanx
 
 from .._collectives import allgather, broadcast, gather
-from .._errors import InvalidArgumentError, PhalanxError
+from .._errors import CheckpointError, InvalidArgumentError
 from .._world import initialized, rank, size
 
 __all__ = [
@@ -99,10 +99,6 @@ _PARTS = ("optimizer", "scheduler", "scaler")
 _REQUIRED = ("model", "optimizer", "scheduler", "scaler", "progress", "rng", "world_size")
 _STATUS_BYTES = 1024  # rank 0's outcome of a save, broadcast to every rank: [failed, utf-8 message...]
 _SUFFIXES = (".pt", ".pth", ".ckpt", ".tar", ".bin")
-
-
-class CheckpointError(PhalanxError, RuntimeError):
-    """A checkpoint could not be written, read or restored; the message names the file and the cause."""
 
 
 # -- identity and small helpers ------------------------------------------------------------------

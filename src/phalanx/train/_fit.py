@@ -58,7 +58,7 @@ from torch.utils.data import DataLoader
 
 from .. import _world
 from .._collectives import allgather
-from .._errors import InvalidArgumentError, PhalanxError
+from .._errors import InvalidArgumentError, TrainingError
 from .._sync import synchronize
 from ._batches import GlobalBatches, SeededSamples, sized
 from ._history import History
@@ -69,10 +69,6 @@ __all__ = ["fit", "History", "TrainingError"]
 _NONFINITE, _OOM = 1, 2
 _POLICIES = ("skip", "raise")
 _PRECISIONS = (None, "bf16", "fp16")
-
-
-class TrainingError(PhalanxError, RuntimeError):
-    """Raised on every rank alike when the failure policy of :func:`fit` says stop."""
 
 
 def fit(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: torch.optim.Optimizer,

@@ -57,7 +57,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from .._errors import InvalidArgumentError, PhalanxError
+from .._errors import ImageReadError, InvalidArgumentError
 
 __all__ = [
     "IMAGENET_MEAN",
@@ -79,10 +79,6 @@ IMAGENET_SPLITS = ("train", "val")
 IMAGENET_INDEXES = ("folders", "csv")
 _DATA = ("ILSVRC", "Data", "CLS-LOC")
 _SHOWN = 8  # names listed in an error message
-
-
-class ImageReadError(PhalanxError, OSError):
-    """An image file of a dataset could not be read or decoded (the message names the file)."""
 
 
 def is_url(path: str) -> bool:
