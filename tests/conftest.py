@@ -7,9 +7,12 @@ gloo). A backend that is missing is skipped with the reason, never silently.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
-from phalanx.testing import available_backends
+from phalanx.testing import WorldFailed, available_backends, run_world
 
 AVAILABLE = available_backends()
 
@@ -27,3 +30,47 @@ def world_params(worlds: list[tuple[str, int]]) -> list[object]:
         ]
         params.append(pytest.param(backend, n, id=f"{backend}-{n}", marks=marks))
     return params
+
+
+class Worlds:
+    """One world per (body, backend, size) for the whole session; its report read per behaviour.
+
+    ``results`` starts the world on first use and remembers what it returned
+    (or how it failed: a failed world fails every test that reads it, with
+    the same message, without being started again).
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[Any, ...], Any] = {}
+
+    def results(self, body: Callable[..., Any], backend: str, n: int, **kwargs: Any) -> list[Any]:
+        key = (body.__module__, body.__qualname__, backend, n, tuple(sorted(kwargs.items(), key=str)))
+        if key not in self._cache:
+            try:
+                self._cache[key] = run_world(body, n, backend, **kwargs)
+            except WorldFailed as failed:
+                self._cache[key] = failed
+        cached = self._cache[key]
+        if isinstance(cached, WorldFailed):
+            raise cached
+        return cached
+
+    def check(self, body: Callable[..., Any], backend: str, n: int, behaviour: str, **kwargs: Any) -> None:
+        """Fail (naming every rank it failed on) unless ``behaviour`` passed on every rank of the world
+        ``body`` ran in; the body returns :meth:`behaviours.Behaviours.run`'s report."""
+        results = self.results(body, backend, n, **kwargs)
+        failures = {}
+        for r, report in enumerate(results):
+            if behaviour not in report:
+                failures[r] = f"not reported (the body returned {sorted(report)})"
+            elif report[behaviour] is not None:
+                failures[r] = report[behaviour]
+        if failures:
+            pytest.fail("\n".join(f"--- {behaviour} failed on rank {r} of {n} ({backend}) ---\n{text}"
+                                  for r, text in failures.items()), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def worlds() -> Worlds:
+    """Worlds shared by the tests of a session: start few, check many behaviours in each."""
+    return Worlds()

@@ -20,6 +20,12 @@ def test_collectives_match_numpy_reference(backend: str, n: int) -> None:
     assert all(res["checks"] > 200 for res in results), results
 
 
+@pytest.mark.parametrize("behaviour", bodies.SCALARS_AND_EDGES.names)
+@pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
+def test_scalars_and_edges(worlds, backend: str, n: int, behaviour: str) -> None:
+    worlds.check(bodies.scalars_and_edges, backend, n, behaviour)
+
+
 @pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
 def test_nonblocking_objects_and_identity(backend: str, n: int) -> None:
     results = run_world(bodies.mixed, n, backend)

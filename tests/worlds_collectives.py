@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 import phalanx
+from behaviours import Behaviours
 
 NUMPY_DTYPES = ["float16", "float32", "float64", "int32", "int64", "bool"]
 TORCH_DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64", "bool"]
@@ -128,36 +129,71 @@ def collectives() -> dict[str, int]:
         out = phalanx.alltoall(x)
         close(out, np.concatenate([blocks[q][r:r + 1] for q in range(n)]), dtype, f"alltoall {label}")
         checks += 2
-    return {"checks": checks + scalars_and_edges()}
+    return {"checks": checks}
 
 
-def scalars_and_edges() -> int:
-    """Scalars keep their type; read-only arrays are not written; empty and 0-d arrays work."""
-    r, n = phalanx.rank(), phalanx.size()
-    total = sum(range(n))
+SCALARS_AND_EDGES = Behaviours()
+_scalar = SCALARS_AND_EDGES.behaviour
+
+
+@_scalar("allreduce-of-int-returns-int")
+def _(r: int, n: int) -> None:
     got = phalanx.allreduce(r)
-    assert got == total and type(got) is int, f"allreduce(int) -> {got!r}"
+    assert got == sum(range(n)) and type(got) is int, f"allreduce(int) -> {got!r}"
+
+
+@_scalar("allreduce-avg-of-float-returns-float")
+def _(r: int, n: int) -> None:
     got = phalanx.allreduce(float(r), op="avg")
-    assert abs(got - total / n) < 1e-12 and type(got) is float, f"allreduce(float, avg) -> {got!r}"
+    assert abs(got - sum(range(n)) / n) < 1e-12 and type(got) is float, f"allreduce(float, avg) -> {got!r}"
+
+
+@_scalar("allreduce-of-numpy-scalar-keeps-its-type")
+def _(r: int, n: int) -> None:
     got = phalanx.allreduce(np.float32(r + 1), op="max")
     assert got == n and isinstance(got, np.float32), f"allreduce(np.float32) -> {got!r}"
+
+
+@_scalar("allreduce-max-of-bool-returns-bool")
+def _(r: int, n: int) -> None:
     got = phalanx.allreduce(r == 0, op="max")
     assert got is True, f"allreduce(bool, max) -> {got!r}"
+
+
+@_scalar("broadcast-of-float-returns-roots-value")
+def _(r: int, n: int) -> None:
     got = phalanx.broadcast(3.5 if r == 0 else 0.0, root=0)
-    assert got == 3.5 and type(got) is float
+    assert got == 3.5 and type(got) is float, f"broadcast(float) -> {got!r}"
+
+
+@_scalar("read-only-array-is-not-written")
+def _(r: int, n: int) -> None:
     frozen = np.full(3, float(r + 1))
     frozen.setflags(write=False)
     out = phalanx.allreduce(frozen)
-    assert np.array_equal(out, np.full(3, n * (n + 1) / 2)) and np.array_equal(frozen, np.full(3, r + 1.0))
+    assert np.array_equal(out, np.full(3, n * (n + 1) / 2)), out
+    assert np.array_equal(frozen, np.full(3, r + 1.0)), frozen
     out = phalanx.broadcast(frozen, root=0)
-    assert np.array_equal(out, np.ones(3)) and np.array_equal(frozen, np.full(3, r + 1.0))
+    assert np.array_equal(out, np.ones(3)) and np.array_equal(frozen, np.full(3, r + 1.0)), (out, frozen)
+
+
+@_scalar("empty-and-0d-arrays-work")
+def _(r: int, n: int) -> None:
     empty = phalanx.allreduce(np.zeros(0, np.float32))
-    assert empty.shape == (0,)
+    assert empty.shape == (0,), empty.shape
     zero_d = phalanx.allreduce(np.array(2.0))
-    assert zero_d.shape == () and float(zero_d) == 2.0 * n
+    assert zero_d.shape == () and float(zero_d) == 2.0 * n, zero_d
     assert phalanx.allgather(np.array(r)).tolist() == list(range(n))
-    phalanx.barrier()
-    return 12
+
+
+@_scalar("barrier-returns")
+def _(r: int, n: int) -> None:
+    assert phalanx.barrier() is None
+
+
+def scalars_and_edges() -> dict[str, str | None]:
+    """Scalars keep their type; read-only arrays are not written; empty and 0-d arrays work."""
+    return SCALARS_AND_EDGES.run(phalanx.rank(), phalanx.size())
 
 
 def nonblocking_order() -> int:
