@@ -14,6 +14,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "ImageReadError",
+    "InvalidSettingError",
     "InvalidArgumentError",
     "LaunchEnvironmentError",
     "LaunchError",
@@ -21,6 +22,7 @@ __all__ = [
     "NotInitializedError",
     "PhalanxError",
     "RankFailedError",
+    "RendezvousError",
     "TrainingError",
     "UnsupportedArgumentError",
     "UsageError",
@@ -123,3 +125,14 @@ class CheckpointError(PhalanxError, RuntimeError):
 
 class ImageReadError(PhalanxError, OSError):
     """An image file of a dataset could not be read or decoded (the message names the file)."""
+
+
+class RendezvousError(PhalanxError, ConnectionError):
+    """The ranks of a gloo/nccl job could not all meet in :func:`phalanx.init`: the message says how
+    many joined, which are missing, and what to check (every rank started, the same
+    ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``)."""
+
+
+class InvalidSettingError(PhalanxError, ValueError):
+    """A ``PHALANX_*`` environment variable has a value phalanx cannot use (the message names the
+    variable, the value and an example of a valid one)."""
