@@ -109,7 +109,7 @@ def fake_nccl() -> Iterator[None]:
     (real NCCL needs several GPUs in one process)."""
     import torch
 
-    from phalanx.torch import _replicas
+    from phalanx.torch import _replica_grads
 
     def all_reduce(inputs: list[Any]) -> None:
         total = torch.stack(inputs).sum(0)
@@ -123,13 +123,13 @@ def fake_nccl() -> Iterator[None]:
         for t in inputs:
             t.copy_(inputs[root])
 
-    saved = _replicas.nccl, _replicas._nccl_usable
-    _replicas.nccl = types.SimpleNamespace(all_reduce=all_reduce, reduce=reduce, broadcast=broadcast)
-    _replicas._nccl_usable = lambda flats: True
+    saved = _replica_grads.nccl, _replica_grads._nccl_usable
+    _replica_grads.nccl = types.SimpleNamespace(all_reduce=all_reduce, reduce=reduce, broadcast=broadcast)
+    _replica_grads._nccl_usable = lambda flats: True
     try:
         yield
     finally:
-        _replicas.nccl, _replicas._nccl_usable = saved
+        _replica_grads.nccl, _replica_grads._nccl_usable = saved
 
 
 # -- worlds ------------------------------------------------------------------------------------

@@ -7,47 +7,12 @@
     buckets.reduce()      # reduce now what backward did not (no_sync passes, a rank without backward)
     buckets.close()       # remove the hooks
 
-**Buckets.** The trainable parameters (``requires_grad=True``) are assigned,
-in *reverse* order (gradients become ready roughly back to front), to buckets
-of one dtype and device each: the first about 1 MB, so communication starts
-early, then ``bucket_cap_mb``. Each bucket is one flat buffer, allocated once,
-holding the gradients plus one *presence* slot per parameter (below); with
-``compression`` also a 16-bit copy, allocated once. Nothing is allocated per step.
-
-**Gradients are views into the buckets** (DDP's ``gradient_as_bucket_view``):
-after its first gradient, ``p.grad`` is a view of its bucket, autograd
-accumulates into it in place and the reduction needs no copy in or out. After
-``zero_grad(set_to_none=True)`` autograd makes a fresh ``.grad``; the hook
-copies it into the bucket once and points ``.grad`` back at the view. So
-``zero_grad(set_to_none=False)`` is copy-free, ``set_to_none=True`` costs one
-copy per step (as in DDP), and both are correct.
-
-**Reduction.** A ``post_accumulate_grad`` hook per parameter marks it ready;
-buckets are launched asynchronously through the backend, always in bucket
-order (the same on every rank, so MPI pairs them right), as soon as they and
-all earlier buckets are ready; later hooks poll the ones in flight so MPI
-makes progress. At the end of backward (an autograd-engine callback) the
-remaining buckets are launched and all are waited for. So when
-``loss.backward()`` returns, gradients are reduced: clipping, ``GradScaler``
-and logging between backward and ``step()`` see reduced gradients, and
-nothing touches a buffer while it is on the wire.
-
-**Missing gradients.** A parameter that got no gradient on this rank
-contributes zeros: every rank reduces every bucket, so nothing hangs. Its
-presence slot is 0 (1 otherwise); after the reduction a parameter whose
-summed presence is 0 had no gradient on *any* rank and keeps ``.grad = None``,
-exactly as in single-process torch (so optimizers skip it).
-
-**Averaging.** ``op="avg"`` scales each bucket by ``1/size`` before summing
-(no overflow in 16 bits); ``op="sum"`` sums. Reducing already-reduced values
-again is harmless with ``avg`` (they are the same on every rank), so several
-backward passes before a step are correct, just slower than ``no_sync``.
-
-**Compression.** ``"bf16"``/``"fp16"`` cast each bucket (after the scaling)
-into its 16-bit copy, reduce that and cast back: half the bytes travel. gloo
-and NCCL sum 16 bits natively; MPI has no 16-bit float sum, so phalanx's MPI
-backend runs its own (:mod:`phalanx.comm._halfsum`: a reduce-scatter of raw
-16-bit words summed in float32, then an allgather) for buckets from 64 KiB.
+Trainable parameters go, in reverse order, into flat buffers of one dtype
+and device (allocated once; ``.grad`` is a view into them); a
+``post_accumulate_grad`` hook launches each bucket's non-blocking allreduce,
+in bucket order, and an autograd-engine callback waits for all at the end of
+backward. Why each choice, and what was measured: ``docs/design.md``
+("Gradient reduction").
 """
 
 from __future__ import annotations
@@ -64,7 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._errors import InvalidArgumentError, UsageError
 from .._world import current
-from ._common import backend_call, verify_same_structure
+from ._common import Compression, GradientOp, backend_call, verify_same_structure
 
 __all__ = ["GradientBuckets", "check_options"]
 
@@ -75,6 +40,7 @@ _OWNER = WeakIdKeyDictionary()
 
 
 def check_options(call: str, op: Any, bucket_cap_mb: Any, compression: Any) -> None:
+    """Raise InvalidArgumentError naming ``call`` for an op, bucket size or compression it cannot use."""
     if op not in ("avg", "sum"):
         raise InvalidArgumentError(f"phalanx.{call}(op={op!r}): gradients are averaged (op='avg', the "
                                    "default) or summed (op='sum').")
@@ -100,16 +66,22 @@ class _Bucket:
 
 
 class GradientBuckets:
-    """Reduces the gradients of ``params`` across ranks during backward (see the module docstring).
+    """Reduces the gradients of ``params`` across ranks while backward runs.
 
-    ``names`` label the parameters in errors. ``call`` is the public name
-    used in messages (``"torch.DataParallel"``). ``passes_per_reduction``
-    backward passes accumulate locally before one reduces (set ``sync`` to
-    False for passes that must not count, as ``no_sync()`` does).
+    Arguments:
+        params, names: the parameters (frozen ones are left out) and their
+            labels in error messages.
+        call: the public name used in messages (``"torch.DataParallel"``).
+        op, bucket_cap_mb, compression: as for the wrappers.
+        passes_per_reduction: backward passes that accumulate locally before
+            one reduces (set :attr:`sync` to False for passes that must not
+            count, as ``no_sync()`` does).
+
+    Internal: the wrappers own one each; users never build it.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], *, call: str, op: str = "avg",
-                 bucket_cap_mb: float = 25, compression: str | None = None,
+    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], *, call: str, op: GradientOp = "avg",
+                 bucket_cap_mb: float = 25, compression: Compression | None = None,
                  passes_per_reduction: int = 1) -> None:
         check_options(call, op, bucket_cap_mb, compression)
         self.call = call

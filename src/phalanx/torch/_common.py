@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -24,7 +24,12 @@ from .._errors import CollectiveMismatchError, WorldBrokenError
 from .._world import World, current
 from ..comm._base import PeerLost, WaitTimeout
 
-__all__ = ["backend_call", "verify_same_structure"]
+__all__ = ["Compression", "GradientOp", "backend_call", "verify_same_structure"]
+
+GradientOp = Literal["avg", "sum"]
+"""How gradients are combined across ranks (and replicas): their mean, or their sum."""
+Compression = Literal["bf16", "fp16"]
+"""The 16-bit format gradients travel in (``None`` where a signature allows it: full precision)."""
 
 _MASK = (1 << 62) - 1
 

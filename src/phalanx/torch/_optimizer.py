@@ -9,21 +9,8 @@
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # sees reduced gradients
         opt.step()
 
-It is a real ``torch.optim.Optimizer`` (``isinstance`` checks, LR schedulers
-and ``GradScaler`` work) that shares ``param_groups``, ``state`` and
-``defaults`` with the optimizer it wraps; ``state_dict()`` and
-``load_state_dict()`` are the wrapped optimizer's, so checkpoints are
-interchangeable with plain torch ones.
-
-At construction, rank 0's parameters and optimizer state are broadcast
-(``phalanx.synchronize``) and the ranks check once that they wrap the same
-parameters. Gradients are reduced in buckets during backward (see
-:mod:`phalanx.torch._bucket`), so when ``backward()`` returns they are reduced
-and anything between backward and ``step()`` (clipping, ``scaler.unscale_``,
-logging) sees the reduced values. ``step()`` reduces first only what backward
-did not: passes under ``no_sync()``, fewer than ``backward_passes_per_step``
-passes, or a rank that ran no backward at all (it then contributes zeros, and
-its peers, waiting at the end of their backward, are released).
+Gradients are reduced in buckets while backward runs (``_bucket.py``;
+the design is in ``docs/design.md``, "Gradient reduction").
 """
 
 from __future__ import annotations
@@ -38,6 +25,7 @@ import torch
 from .._errors import InvalidArgumentError, UsageError
 from .._sync import synchronize
 from ._bucket import GradientBuckets, check_options
+from ._common import Compression, GradientOp
 
 __all__ = ["DistributedOptimizer"]
 
@@ -45,20 +33,56 @@ _CALL = "torch.DistributedOptimizer"
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
-    """Wraps ``optimizer`` so that every ``step()`` uses gradients reduced across ranks.
+    """``optimizer``, with gradients averaged across ranks while backward runs, before every ``step()``.
 
-    ``op``: ``"avg"`` (default: the mean over ranks, as if one process saw the
-    whole batch) or ``"sum"``. ``bucket_cap_mb``: bucket size (DDP's default,
-    25). ``compression``: ``"bf16"``/``"fp16"`` send 16-bit gradients (after
-    the ``1/size`` scaling), ``None`` full precision. ``backward_passes_per_step=k``:
-    ``k`` backward passes accumulate locally and the ``k``-th reduces (or use
-    :meth:`no_sync`). ``broadcast_parameters``: start from rank 0's parameters
-    and optimizer state. ``named_parameters`` (optional, e.g.
-    ``model.named_parameters()``) names parameters in error messages.
+    ::
+
+        opt = phalanx.torch.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+
+    A real ``torch.optim.Optimizer`` (``isinstance`` checks, LR schedulers and
+    ``GradScaler`` work) sharing ``param_groups``, ``state`` and ``defaults``
+    with ``optimizer``; ``state_dict()``/``load_state_dict()`` are the wrapped
+    optimizer's, so checkpoints are interchangeable with plain torch ones.
+    When ``backward()`` returns, the gradients are reduced: clipping,
+    ``scaler.unscale_`` and logging between backward and ``step()`` see the
+    reduced values. ``step()`` reduces first only what backward did not
+    (passes under :meth:`no_sync`, fewer than ``backward_passes_per_step``
+    passes, or a rank that ran no backward: it sends zeros, releasing its
+    peers). Every rank must call ``step()`` (or :meth:`reduce_gradients`)
+    the same number of times.
+
+    Arguments:
+        optimizer: any plain torch optimizer over the model's parameters.
+
+    Reduction:
+        op: ``"avg"`` (default: the mean over ranks, as if one process saw the
+            whole batch) or ``"sum"``.
+        bucket_cap_mb: bucket size in MB (default 25, as DDP; the first
+            bucket is at most 1 MB so communication starts early).
+        compression: ``"bf16"``/``"fp16"`` send 16-bit gradients (after the
+            ``1/size`` scaling); ``None`` (default) full precision.
+        backward_passes_per_step: ``k`` backward passes accumulate locally
+            and the ``k``-th reduces (or use :meth:`no_sync`).
+
+    Set-up:
+        broadcast_parameters: start from rank 0's parameters and optimizer
+            state (default True).
+        named_parameters: e.g. ``model.named_parameters()``, to name
+            parameters in error messages.
+
+    Raises:
+        InvalidArgumentError: a bad argument (not a plain optimizer, an
+            unknown ``op``/``compression``, a bucket size or pass count <= 0).
+        CollectiveMismatchError: the ranks wrap different parameters (names,
+            shapes, dtypes, order), on every rank alike, naming the first one.
+        UsageError: ``zero_grad()`` while reductions are in flight, or
+            another wrapper reduces some of these parameters and others too.
+        CollectiveTimeoutError, RankFailedError: a peer stopped reducing.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, op: str = "avg", bucket_cap_mb: float = 25,
-                 compression: str | None = None, backward_passes_per_step: int = 1,
+    def __init__(self, optimizer: torch.optim.Optimizer, *, op: GradientOp = "avg", bucket_cap_mb: float = 25,
+                 compression: Compression | None = None, backward_passes_per_step: int = 1,
                  broadcast_parameters: bool = True,
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DistributedOptimizer):
@@ -199,9 +223,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints: the wrapped optimizer's own ---------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict()`` (the same on every rank after a step)."""
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The wrapped optimizer's ``load_state_dict()``: a plain torch optimizer's state fits."""
         self.optimizer.load_state_dict(state_dict)
 
     def close(self) -> None:

@@ -8,25 +8,7 @@
     opt.step()
 
 The counterpart of torch's ``DistributedDataParallel`` over any phalanx
-backend (mpi, gloo, nccl, local), with the same gradient engine as
-:class:`phalanx.torch.DistributedOptimizer`. ``forward`` calls the wrapped
-``module`` (``model.module``); ``state_dict`` keys get the ``module.``
-prefix, as with DDP.
-
-**Buffers** (BatchNorm running statistics, counters): with
-``broadcast_buffers=True`` (default, DDP's policy) rank 0's buffers are
-broadcast at the start of every forward *in training mode* (one fused
-broadcast, into a buffer allocated once), so every rank normalizes with, and
-checkpoints, rank 0's statistics. In eval mode nothing is communicated, so
-rank 0 may evaluate alone. With :class:`phalanx.torch.SyncBatchNorm` the
-statistics are the same on every rank anyway and ``broadcast_buffers=False``
-saves the broadcast. The buffer list is fixed at construction: a buffer
-replaced by a new tensor later (rather than updated in place, as BatchNorm
-does) is no longer broadcast.
-
-Every rank must run backward for every step: a rank that skips one leaves
-its peers waiting at the end of theirs (until the timeout). To skip a batch,
-backpropagate a zero loss, e.g. ``sum(p.sum() for p in model.parameters()) * 0``.
+backend, with the gradient engine of ``DistributedOptimizer`` (``_bucket.py``).
 """
 
 from __future__ import annotations
@@ -40,7 +22,7 @@ import torch
 from .._sync import synchronize
 from .._world import current
 from ._bucket import GradientBuckets, check_options
-from ._common import backend_call
+from ._common import Compression, GradientOp, backend_call
 
 __all__ = ["DataParallel"]
 
@@ -68,15 +50,52 @@ class _BufferPack:
 
 
 class DataParallel(torch.nn.Module):
-    """Wraps ``module`` so that its gradients are reduced across ranks in backward (module docstring).
+    """``module``, with its gradients averaged across ranks while backward runs (torch's DDP, on any backend).
 
-    ``op``, ``bucket_cap_mb``, ``compression``: as for
-    :class:`phalanx.torch.DistributedOptimizer`. ``broadcast_buffers``: rank
-    0's buffers at the start of every training-mode forward.
+    ::
+
+        model = phalanx.torch.DataParallel(Net())           # rank 0's parameters and buffers everywhere
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # any optimizer, unchanged
+        loss_fn(model(x), y).backward()                    # reduced when backward returns
+        opt.step()
+
+    ``forward`` calls the wrapped module (``model.module``); ``state_dict``
+    keys get the ``module.`` prefix, as with DDP. At construction, rank 0's
+    parameters and buffers are broadcast and the ranks check once that they
+    wrap the same parameters. Every rank must run backward every step: a rank
+    that skips one leaves its peers waiting at the end of theirs (until the
+    timeout); to skip a batch, backpropagate a zero loss, or call
+    :meth:`reduce_gradients` instead of backward.
+
+    Arguments:
+        module: the model (any ``torch.nn.Module``).
+
+    Reduction:
+        op: ``"avg"`` (default: the mean over ranks) or ``"sum"``.
+        bucket_cap_mb: bucket size in MB (default 25).
+        compression: ``"bf16"``/``"fp16"`` send 16-bit gradients; ``None``
+            (default) full precision.
+
+    Buffers:
+        broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics,
+            counters) at the start of every *training-mode* forward (default
+            True, DDP's policy: one fused broadcast into a buffer allocated
+            once); eval mode communicates nothing, so rank 0 may evaluate
+            alone. With :class:`SyncBatchNorm` the statistics agree anyway and
+            False saves the broadcast. The buffer list is fixed at
+            construction (a buffer later replaced by a new tensor is not
+            broadcast).
+
+    Raises:
+        InvalidArgumentError: an unknown ``op``/``compression`` or a bucket size <= 0.
+        CollectiveMismatchError: the ranks wrap different parameters, on every
+            rank alike, naming the first one.
+        UsageError: another wrapper reduces some of these parameters and others too.
+        CollectiveTimeoutError, RankFailedError: a peer stopped reducing.
     """
 
-    def __init__(self, module: torch.nn.Module, *, op: str = "avg", bucket_cap_mb: float = 25,
-                 compression: str | None = None, broadcast_buffers: bool = True) -> None:
+    def __init__(self, module: torch.nn.Module, *, op: GradientOp = "avg", bucket_cap_mb: float = 25,
+                 compression: Compression | None = None, broadcast_buffers: bool = True) -> None:
         super().__init__()
         check_options(_CALL, op, bucket_cap_mb, compression)
         self.module = module
@@ -93,6 +112,7 @@ class DataParallel(torch.nn.Module):
         self._require_sync = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``module(*args, **kwargs)``, after broadcasting rank 0's buffers in training mode."""
         if self.training and self.broadcast_buffers and self._pack is not None:
             self._sync_buffers(self._pack)
         self._engine.sync = self._require_sync  # DDP decides at forward time, too

@@ -8,18 +8,6 @@
     for epoch in range(start_epoch, epochs):
         sampler.set_epoch(epoch)          # a new order each epoch, the same on every rank
         for x, y in loader: ...
-
-Each epoch the indices ``0..N-1`` are permuted with
-``torch.Generator().manual_seed(seed + epoch)`` (the same permutation on
-every rank), then split exactly like :class:`phalanx.DistributedDataContainer`:
-rank ``r`` takes the ``r``-th *contiguous* part of the permuted order, with
-the same ``remainder`` policies (``pad``/``drop`` for training: every rank the
-same number of samples; ``exact`` for evaluation).
-
-Contiguous, not strided like ``torch.utils.data.DistributedSampler``: after a
-shuffle the two are equally random, and contiguous parts make the sampler
-agree with the container, keep ``shuffle=False`` reads sequential on each
-rank, and let rank-ordered results concatenate back into dataset order.
 """
 
 from __future__ import annotations
@@ -34,22 +22,53 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-from .._arrays import UnsupportedArgumentError
 from .._data import check_remainder, partition, resolve_rank_size
-from .._errors import InvalidArgumentError
+from .._errors import InvalidArgumentError, UnsupportedArgumentError
 from .._world import backend, initialized
 
 __all__ = ["DistributedSampler", "dataloader_context"]
 
 
 class DistributedSampler(Sampler[int]):
-    """Yields this rank's dataset indices for the current epoch (see the module docstring).
+    """A ``DataLoader`` sampler yielding this rank's part of each epoch's order of the dataset's indices.
 
-    ``state_dict()``/``load_state_dict()`` save and restore the epoch, the
-    seed and the position in the epoch, so a resumed run continues mid-epoch
-    with exactly the samples it had not seen. With ``pad``/``drop`` the state
-    is the same on every rank, so rank 0's checkpoint serves them all.
+    ::
+
+        sampler = phalanx.torch.DistributedSampler(dataset, seed=42)
+        loader = DataLoader(dataset, batch_size=32, sampler=sampler)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)        # a new order each epoch, the same on every rank
+
+    Each epoch the indices ``0..N-1`` are permuted with
+    ``torch.Generator().manual_seed(seed + epoch)`` (the same permutation on
+    every rank) and rank ``r`` takes the ``r``-th *contiguous* part, exactly as
+    :class:`phalanx.DistributedDataContainer` splits data (torch's sampler is
+    strided; after a shuffle both are equally random, and contiguous parts keep
+    ``shuffle=False`` reads sequential and concatenate back into dataset order).
+
+    Arguments:
+        dataset: anything with ``len()``.
+
+    Order:
+        shuffle: permute each epoch (default True); False keeps dataset order.
+        seed: the permutation's seed (plus the epoch); the same on every rank.
+
+    Splitting:
+        remainder: when ``size`` does not divide N: ``"pad"`` (default:
+            repeat from the start, every rank ceil(N/size) samples), ``"drop"``
+            (floor(N/size) each) or ``"exact"`` (each sample once, sizes within
+            one: for evaluation).
+        rank, size: this rank's part; default the current world's.
+
     ``len()`` is the number of indices the next ``iter()`` yields.
+    ``state_dict()``/``load_state_dict()`` save and restore the epoch, the seed
+    and the position in the epoch, so a resumed run continues mid-epoch with
+    exactly the samples it had not seen; with ``pad``/``drop`` the state is the
+    same on every rank, so rank 0's checkpoint serves them all.
+
+    Raises:
+        InvalidArgumentError: an unknown ``remainder``, or a rank outside ``size``.
+        UnsupportedArgumentError: ``seed``, ``rank`` or ``size`` is not an int.
     """
 
     def __init__(self, dataset: Sized, *, shuffle: bool = True, seed: int = 0, remainder: str = "pad",
@@ -137,19 +156,27 @@ def _int(name: str, value: Any) -> int:
             return operator.index(value)  # ints, NumPy and torch integers; not floats
     except TypeError:
         pass
-    raise UnsupportedArgumentError(f"phalanx.torch.DistributedSampler: {name}={value!r} must be an int")
+    raise UnsupportedArgumentError(
+        f"phalanx.torch.DistributedSampler: {name}={value!r} is a {type(value).__name__}; pass an int "
+        f"(e.g. {name}=int(...)).")
 
 
 def dataloader_context(num_workers: int = 1) -> BaseContext | None:
-    """The ``multiprocessing_context`` for a DataLoader's worker processes.
+    """The ``multiprocessing_context`` for a DataLoader's worker processes: one that is safe under MPI.
 
-    ``"forkserver"`` (``"spawn"`` where there is none) when this process runs
-    MPI: forking a process that has initialized MPI is unsafe (the child
-    inherits the MPI library's threads, sockets and registered memory).
-    ``None`` (torch's default) otherwise, and when ``num_workers == 0``,
-    because DataLoader rejects a context without workers::
+    ::
 
         DataLoader(ds, num_workers=n, multiprocessing_context=phalanx.torch.dataloader_context(n))
+
+    Arguments:
+        num_workers: the DataLoader's ``num_workers``.
+
+    Returns:
+        A ``"forkserver"`` context (``"spawn"`` where there is none) when this
+        process runs MPI: forking a process that has initialized MPI is unsafe
+        (the child inherits the MPI library's threads, sockets and registered
+        memory). ``None`` (torch's default) otherwise, and when
+        ``num_workers == 0``, because DataLoader rejects a context without workers.
 
     With forkserver/spawn, the dataset, ``collate_fn`` and ``worker_init_fn``
     must be picklable (defined at module level), and every worker imports

@@ -5,20 +5,7 @@
     model = phalanx.torch.convert_sync_batchnorm(model)   # every BatchNorm*d becomes SyncBatchNorm
     model = phalanx.torch.DataParallel(model)
 
-In training mode the batch statistics are those of the batch of *all* ranks
-together: forward reduces each channel's sum, sum of squares and count (one
-small ``phalanx.allreduce``), and backward reduces the sums of ``grad_output``
-and ``grad_output * x_hat`` (another one), so ``N`` ranks train exactly like
-one process on the concatenated batch. Ranks may hold different batch sizes
-(even empty ones). Running statistics are updated as torch does (the
-unbiased variance for ``running_var``), identically on every rank. In eval
-mode it is plain batch norm with the running statistics, with no
-communication, so rank 0 may evaluate alone.
-
-Every rank must run the same forward and backward passes through the layer
-(each is a collective). The statistics are accumulated in float64 (per-rank
-mean and variance come from ``torch.var_mean``, which is stable), so large
-activations do not lose precision to the sum of squares.
+The arithmetic is in ``docs/design.md`` ("SyncBatchNorm").
 """
 
 from __future__ import annotations
@@ -59,7 +46,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if count <= 1:
             raise InvalidArgumentError(
                 f"phalanx.torch.SyncBatchNorm: expected more than 1 value per channel when training, got "
-                f"{int(count)} over all ranks (input shape {list(x.shape)} on this rank).")
+                f"{int(count)} over all ranks (input shape {list(x.shape)} on this rank). Use a larger "
+                "batch, or call model.eval() to normalize with the running statistics.")
         mean64 = stats[:channels] / count
         var64 = (stats[channels:2 * channels] / count - mean64 * mean64).clamp_(min=0)
         if running_mean is not None and running_var is not None:
@@ -103,19 +91,39 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
 
 class SyncBatchNorm(_BatchNorm):
-    """BatchNorm over the batch of all ranks (module docstring); inputs ``(N, C, *)``.
+    """Batch normalization whose training-mode statistics are those of the batch of *all* ranks together.
 
-    Same arguments and state as ``torch.nn.BatchNorm2d`` (``num_features``,
-    ``eps``, ``momentum``, ``affine``, ``track_running_stats``); one class for
-    1d, 2d and 3d inputs. Build it from an existing model with
-    :func:`convert_sync_batchnorm`.
+    ::
+
+        model = phalanx.torch.convert_sync_batchnorm(model)   # every BatchNorm*d becomes SyncBatchNorm
+
+    In training mode, forward reduces each channel's sum, sum of squares and
+    count (one small ``phalanx.allreduce``, in float64) and backward reduces
+    the sums of ``grad_output`` and ``grad_output * x_hat`` (another one), so
+    N ranks train exactly like one process on the concatenated batch. Ranks
+    may hold different batch sizes, even empty ones. Running statistics are
+    updated as torch does (unbiased ``running_var``), identically on every
+    rank. Eval mode is plain batch norm with no communication, so rank 0 may
+    evaluate alone. Every rank must run the same training-mode forward and
+    backward passes through the layer (each is a collective).
+
+    Arguments (those of ``torch.nn.BatchNorm2d``; one class for 1d, 2d and 3d inputs ``(N, C, *)``):
+        num_features: C, the number of channels.
+        eps, momentum: as torch (``momentum=None``: a cumulative average).
+        affine, track_running_stats: as torch.
+        device, dtype: of the parameters and buffers.
+
+    Raises:
+        InvalidArgumentError: an input with fewer than 2 dimensions, or a
+            training batch with at most one value per channel over all ranks.
     """
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise InvalidArgumentError(
-                f"phalanx.torch.SyncBatchNorm: expected an input of shape (N, C, ...), got "
-                f"{input.dim()}-d input of shape {list(input.shape)}.")
+                f"phalanx.torch.SyncBatchNorm: expected an input of shape (N, C, ...), got a "
+                f"{input.dim()}-d input of shape {list(input.shape)}. Add the batch dimension "
+                "(x.unsqueeze(0)) or the channel dimension.")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
@@ -135,8 +143,17 @@ class SyncBatchNorm(_BatchNorm):
 
 
 def convert_sync_batchnorm(module: torch.nn.Module) -> torch.nn.Module:
-    """Return ``module`` with every ``BatchNorm1d/2d/3d`` (any ``_BatchNorm``) replaced by a
-    :class:`SyncBatchNorm` sharing its parameters and buffers (in place for the children)."""
+    """``module`` with every batch-norm layer replaced by a :class:`SyncBatchNorm` sharing its tensors.
+
+    Arguments:
+        module: a model; every ``BatchNorm1d/2d/3d`` (any ``_BatchNorm``) in it,
+            or ``module`` itself, is replaced, keeping its parameters, running
+            statistics, training flag and ``qconfig``.
+
+    Returns:
+        ``module`` with its children replaced in place, or a new
+        :class:`SyncBatchNorm` if ``module`` itself is a batch-norm layer.
+    """
     converted = module
     if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
         converted = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,

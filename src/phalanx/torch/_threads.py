@@ -5,7 +5,7 @@
     results = phalanx.torch.withdevices(lambda i, device: work(i, device), replicas)  # or 2, or ["cuda:0", ...]
 
 The threads carry the caller's torch thread-local state (grad mode, inference
-mode, autocast) and, on a GPU, its device; see :mod:`phalanx.torch._replicas`.
+mode, autocast) and, on a GPU, its device.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from .._devices import parse_device
 from .._errors import InvalidArgumentError
 
 __all__ = ["cuda_count", "resolve_devices", "withdevices"]
@@ -70,28 +71,7 @@ def resolve_devices(call: str, devices: Any) -> list[torch.device]:
 
 
 def _one_device(call: str, spec: Any, gpus: int) -> torch.device:
-    try:
-        device = torch.device(spec)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise InvalidArgumentError(
-            f"phalanx.torch.{call}: {spec!r} is not a device ({exc}). Use e.g. 'cpu', 'cuda:0' or "
-            "torch.device('cuda', 1).") from None
-    if device.type == "cpu":
-        return torch.device("cpu")
-    if device.type != "cuda":
-        raise InvalidArgumentError(
-            f"phalanx.torch.{call}: device {spec!r} is of type {device.type!r}; replicas run on "
-            "'cpu' and 'cuda' devices.")
-    if gpus == 0:
-        raise InvalidArgumentError(
-            f"phalanx.torch.{call}: device {spec!r} is a GPU, but no GPU is visible here "
-            "(torch.cuda.is_available() is False). Use 'cpu' devices, or an int k for k CPU replicas.")
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index >= gpus:
-        raise InvalidArgumentError(
-            f"phalanx.torch.{call}: device {spec!r} does not exist; {gpus} GPU"
-            f"{' is' if gpus == 1 else 's are'} visible (cuda:0 to cuda:{gpus - 1}).")
-    return torch.device("cuda", index)
+    return parse_device(f"torch.{call}", spec, gpus)
 
 
 # -- withdevices ---------------------------------------------------------------------------------
@@ -100,13 +80,28 @@ def withdevices(fn: Callable[[int, torch.device], T],
                 replicas: Any) -> list[T]:
     """``[fn(i, device) for each replica]``, run concurrently, one thread per replica.
 
-    ``replicas``: a :class:`Replicas`, a list of devices or an int k (as for
-    :func:`replicate`). In each thread the CUDA device is ``device`` (for a GPU),
-    and grad mode, inference mode and autocast are the caller's. torch releases
-    the GIL inside its operators, so CPU replicas compute on several cores at
-    once. Results come back in replica order. If calls raise, every thread is
-    waited for, then the first exception to occur is raised, with a note naming
-    its replica and device.
+    ::
+
+        losses = phalanx.torch.withdevices(lambda i, device: step(replicas[i], chunks[i]), replicas)
+
+    In each thread the current CUDA device is ``device`` (for a GPU), and grad
+    mode, inference mode and autocast are the caller's (torch keeps them per
+    thread). torch releases the GIL inside its operators, so CPU replicas
+    compute on several cores at once (give each its share, e.g.
+    ``torch.set_num_threads(cores // k)``).
+
+    Arguments:
+        fn: called as ``fn(i, device)`` for replica ``i``.
+        replicas: a :class:`Replicas`, a list of devices, or an int k (as for
+            :func:`replicate`: k GPUs, or k CPU threads without a GPU).
+
+    Returns:
+        The results of ``fn``, in replica order.
+
+    Raises:
+        InvalidArgumentError: ``replicas`` names no usable device.
+        Whatever ``fn`` raised: every thread is waited for, then the first
+        exception to occur is raised, with a note naming its replica and device.
     """
     if isinstance(replicas, (int, list, tuple)) or not hasattr(replicas, "devices"):
         devices = resolve_devices("withdevices", replicas)
