@@ -44,7 +44,7 @@ class Worlds:
         self._cache: dict[tuple[Any, ...], Any] = {}
 
     def results(self, body: Callable[..., Any], backend: str, n: int, **kwargs: Any) -> list[Any]:
-        key = (body.__module__, body.__qualname__, backend, n, tuple(sorted(kwargs.items(), key=str)))
+        key = (body.__module__, body.__qualname__, backend, n, repr(sorted(kwargs.items(), key=str)))  # env: a dict
         if key not in self._cache:
             try:
                 self._cache[key] = run_world(body, n, backend, **kwargs)

@@ -9,25 +9,24 @@ from __future__ import annotations
 
 import pytest
 
-import worlds_gpu as bodies
-from conftest import AVAILABLE
-from phalanx.testing import run_world
+pytest.importorskip("torch")
 
-torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+import worlds_gpu as bodies  # noqa: E402
+from conftest import world_params  # noqa: E402
+from helpers import requires_cuda  # noqa: E402
 
-
-def test_nccl_world_of_one_on_cuda_tensors() -> None:
-    [result] = run_world(bodies.cuda_collectives, 1, "nccl")
-    assert result["checks"] > 10
+pytestmark = requires_cuda()
 
 
-@pytest.mark.skipif("mpi" not in AVAILABLE, reason="no MPI here")
-@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("behaviour", bodies.CUDA.names)
+@pytest.mark.parametrize("backend,n", world_params([("nccl", 1)]))
+def test_nccl_world_of_one_on_cuda_tensors(worlds, backend: str, n: int, behaviour: str) -> None:
+    worlds.check(bodies.cuda_collectives, backend, n, behaviour)
+
+
+@pytest.mark.parametrize("behaviour", bodies.CUDA.names)
 @pytest.mark.parametrize("gpu_aware", ["0", "auto"])
-def test_cuda_tensors_over_mpi(n: int, gpu_aware: str) -> None:
+@pytest.mark.parametrize("backend,n", world_params([("mpi", 1), ("mpi", 2)]))
+def test_cuda_tensors_over_mpi(worlds, backend: str, n: int, gpu_aware: str, behaviour: str) -> None:
     env = {"PHALANX_GPU_AWARE_MPI": "0"} if gpu_aware == "0" else {}
-    results = run_world(bodies.cuda_collectives, n, "mpi", env=env)
-    assert all(r["checks"] > 10 for r in results)
-    if gpu_aware == "0":
-        assert all(r["gpu_aware"] is False for r in results)
+    worlds.check(bodies.cuda_collectives, backend, n, behaviour, env=env)

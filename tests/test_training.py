@@ -17,29 +17,36 @@ import pytest
 
 import worlds_training as bodies
 from conftest import ALL_WORLDS, world_params
-from phalanx.testing import run_world
+
+MULTI_RANK = [world for world in ALL_WORLDS if world[1] > 1]
+TRAINING_WORLD = {"timeout": 120, "op_timeout": 30}
+COMPILED_WORLD = {"timeout": 120, "op_timeout": 60}
 
 
+@pytest.mark.parametrize("behaviour", bodies.TRAINING.names)
 @pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
-def test_training_matches_one_process_on_the_whole_batch(backend: str, n: int) -> None:
-    results = run_world(bodies.training, n, backend, timeout=120, op_timeout=30)
-    for done in results:
-        assert done["misuse"] == 8 and done["syncbn"] == 24 and done["helper"] == 7, done
-        assert ("mismatch" in done) == (n > 1)
-        assert all(count > 0 for count in done.values()), done
+def test_training(worlds, backend: str, n: int, behaviour: str) -> None:
+    worlds.check(bodies.training, backend, n, behaviour, **TRAINING_WORLD)
 
 
+@pytest.mark.parametrize("behaviour", bodies.ACROSS_RANKS.names)
+@pytest.mark.parametrize("backend,n", world_params(MULTI_RANK))
+def test_training_across_ranks(worlds, backend: str, n: int, behaviour: str) -> None:
+    worlds.check(bodies.training, backend, n, behaviour, **TRAINING_WORLD)  # the same world as above
+
+
+@pytest.mark.parametrize("behaviour", bodies.COMPILED.names)
 @pytest.mark.parametrize("backend,n", world_params([("mpi", 2), ("gloo", 2)]))
-def test_compiled_model_trains_the_same(backend: str, n: int) -> None:
+def test_compiled_model_trains_the_same(worlds, backend: str, n: int, behaviour: str) -> None:
     # torch.compile moves every gradient to the end of the compiled backward, so buckets launch
     # late (no overlap), but the result must not change.
-    assert all(checks > 0 for checks in run_world(bodies.compiled, n, backend, timeout=120, op_timeout=60))
+    worlds.check(bodies.compiled, backend, n, behaviour, **COMPILED_WORLD)
 
 
 @pytest.mark.skipif(not os.environ.get("PHALANX_TEST_INDUCTOR"),
                     reason="inductor compiles for 25+ s per process on a cold CPU cache; "
                            "set PHALANX_TEST_INDUCTOR=1 to run it (aot_eager above covers the autograd path)")
+@pytest.mark.parametrize("behaviour", bodies.INDUCTOR.names)
 @pytest.mark.parametrize("backend,n", world_params([("gloo", 2)]))
-def test_inductor_compiled_model_trains_the_same(backend: str, n: int) -> None:
-    assert all(checks > 0 for checks in run_world(bodies.compiled_inductor, n, backend, timeout=600,
-                                                  op_timeout=500))
+def test_inductor_compiled_model_trains_the_same(worlds, backend: str, n: int, behaviour: str) -> None:
+    worlds.check(bodies.compiled_inductor, backend, n, behaviour, timeout=600, op_timeout=500)

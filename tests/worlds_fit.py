@@ -17,6 +17,7 @@ import signal
 from typing import Any
 
 import phalanx
+from helpers import raise_in_backward
 
 GLOBAL = 12  # samples per global micro-batch: divisible by 1, 2, 3 ranks and by 2 replicas
 TOL = 1e-9
@@ -160,15 +161,6 @@ def failures(tmp: str) -> dict[str, Any]:
     def faulty(kind: str, at_step: int) -> Any:
         calls = {"n": 0}
 
-        class Boom(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx: Any, x: Any) -> Any:
-                return x.clone()
-
-            @staticmethod
-            def backward(ctx: Any, g: Any) -> Any:
-                raise torch.OutOfMemoryError("CUDA out of memory (injected in backward)")
-
         def loss_fn(out: Any, y: Any) -> Any:
             step = calls["n"]
             calls["n"] += 1
@@ -178,7 +170,7 @@ def failures(tmp: str) -> dict[str, Any]:
                 if kind == "oom":
                     raise torch.OutOfMemoryError("CUDA out of memory (injected)")
                 if kind == "oom-backward":
-                    return ce(Boom.apply(out), y)
+                    return ce(raise_in_backward(out, torch.OutOfMemoryError("CUDA out of memory (injected in backward)")), y)
             return ce(out, y)
 
         return loss_fn

@@ -18,10 +18,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import phalanx
+from behaviours import Behaviours
 
 STEPS = 10
 PER_REPLICA = 3
 TIGHT = 1e-10  # float64: only the summation order differs
+
+REPLICAS = Behaviours()      # checked on every world
+ACROSS_RANKS = Behaviours()  # checked on worlds of 2 or more ranks
 
 
 def mlp(torch: Any, seed: int) -> Any:
@@ -43,17 +47,14 @@ def make_optimizer(torch: Any, kind: str, params: Any) -> Any:
     return torch.optim.Adam(params, lr=0.01)
 
 
-def assert_close(torch: Any, model: Any, ref: Any, what: str, tol: float) -> int:
-    checks = 0
+def assert_close(torch: Any, model: Any, ref: Any, what: str, tol: float) -> None:
     for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
         err = (p.cpu() - q).abs().max().item()
         assert err <= tol * max(1.0, q.abs().max().item()), \
             f"{what}: {name} differs from the 1-model run by {err:.3g} (tolerance {tol:g})"
-        checks += 1
-    return checks
 
 
-def train(k: int, kind: str, pattern: str, *, devices: Any = None, tol: float = TIGHT) -> int:
+def train(k: int, kind: str, pattern: str, *, devices: Any = None, tol: float = TIGHT) -> None:
     """k replicas (per process) for STEPS steps against one model on the whole batch.
 
     ``pattern`` "a": one optimizer over replica 0 (the user's model), then
@@ -100,7 +101,8 @@ def train(k: int, kind: str, pattern: str, *, devices: Any = None, tol: float = 
         ref_opt.step()
     what = f"{k} replicas x {n} processes, {kind}, pattern {pattern}"
     assert replicas.in_sync(), f"{what}: the replicas differ from each other"
-    return sum(assert_close(torch, m, ref, f"{what}, replica {i}", tol) for i, m in enumerate(replicas))
+    for i, m in enumerate(replicas):
+        assert_close(torch, m, ref, f"{what}, replica {i}", tol)
 
 
 @contextlib.contextmanager
@@ -134,9 +136,28 @@ def fake_nccl() -> Iterator[None]:
 
 # -- worlds ------------------------------------------------------------------------------------
 
-def _sum_and_presence(torch: Any, pt: Any, r: int, n: int) -> int:
+for _kind in ("sgd", "adam"):
+    REPLICAS.add(f"processes-x-2-replicas-train-like-one-model-{_kind}-one-optimizer-and-synchronize",
+                 train, 2, _kind, "a")
+    REPLICAS.add(f"processes-x-2-replicas-train-like-one-model-{_kind}-one-optimizer-per-replica",
+                 train, 2, _kind, "b")
+
+
+@REPLICAS.behaviour("the-nccl-branch-reduces-like-the-host-branch-across-processes")
+def _nccl_branch() -> None:
+    with fake_nccl():
+        train(2, "adam", "a")
+
+
+@REPLICAS.behaviour("op-sum-and-avg-over-all-replicas-with-missing-gradients-and-within-a-process")
+def _sum_and_presence() -> None:
     """op="sum"/"avg" over all n*k replicas, gradients missing on some replicas or ranks, and
     across_processes=False (this rank's replicas only)."""
+    import torch
+
+    import phalanx.torch as pt
+
+    r, n = phalanx.rank(), phalanx.size()
     k = 2
     nn = torch.nn
     torch.manual_seed(0)
@@ -146,7 +167,6 @@ def _sum_and_presence(torch: Any, pt: Any, r: int, n: int) -> int:
     def full(value: float) -> Any:
         return torch.full((2, 2), value, dtype=torch.float64)
 
-    checks = 0
     for op in ("sum", "avg"):
         for across in (True, False):
             replicas.zero_grad()
@@ -175,13 +195,16 @@ def _sum_and_presence(torch: Any, pt: Any, r: int, n: int) -> int:
                                                                rtol=0, atol=1e-12), \
                         f"{where}: {name}.grad is {got}, expected {expect}"
                 assert m["b"].bias.grad is None and m["c"].weight.grad is None, where  # no gradient anywhere
-                checks += 1
-    return checks
 
 
-def _mismatches(torch: Any, pt: Any, r: int, n: int) -> int:
+@ACROSS_RANKS.behaviour("unequal-replica-counts-or-models-are-the-same-mismatch-error-on-every-rank")
+def _mismatches() -> None:
     """Unequal replica counts, then unequal models: the same clear error on every rank."""
-    checks = 0
+    import torch
+
+    import phalanx.torch as pt
+
+    r = phalanx.rank()
     model = mlp(torch, 1)
     replicas = pt.replicate(model, 1 if r == 0 else 2)
     for m in replicas:
@@ -191,7 +214,6 @@ def _mismatches(torch: Any, pt: Any, r: int, n: int) -> int:
         replicas.allreduce_gradients()
     except phalanx.CollectiveMismatchError as exc:
         assert "different numbers of replicas" in str(exc) and "between 1 and 2" in str(exc), str(exc)
-        checks += 1
     else:
         raise AssertionError(f"rank {r}: unequal replica counts were not detected")
     assert all(torch.equal(p.grad, torch.ones_like(p)) for m in replicas for p in m.parameters()), \
@@ -207,28 +229,17 @@ def _mismatches(torch: Any, pt: Any, r: int, n: int) -> int:
         replicas.allreduce_gradients()
     except phalanx.CollectiveMismatchError as exc:
         assert "parameter #2" in str(exc), str(exc)
-        checks += 1
     else:
         raise AssertionError(f"rank {r}: different models were not detected")
     phalanx.barrier()  # the world is still usable
-    return checks
 
 
-def processes_and_replicas() -> dict[str, int]:
-    """Every check of N processes x 2 replicas, in one world."""
+@REPLICAS.behaviour("an-optimizer-built-before-replicate-keeps-stepping-replica-0")
+def _optimizer_kept() -> None:
     import torch
 
     import phalanx.torch as pt
 
-    torch.set_num_threads(1)
-    r, n = phalanx.rank(), phalanx.size()
-    done = {f"{kind}-{pattern}": train(2, kind, pattern) for kind in ("sgd", "adam") for pattern in "ab"}
-    with fake_nccl():
-        done["nccl_branch"] = train(2, "adam", "a")
-    done["sum_and_presence"] = _sum_and_presence(torch, pt, r, n)
-    if n > 1:
-        done["mismatch"] = _mismatches(torch, pt, r, n)
-    # A replica 0 that was moved, not copied, keeps the optimizer built before replicate() working.
     model = mlp(torch, 7)
     before = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -238,5 +249,14 @@ def processes_and_replicas() -> dict[str, int]:
     opt.step()
     moved = [(p - q).abs().max().item() for p, q in zip(model.parameters(), before.parameters(), strict=True)]
     assert all(abs(d - 0.5) < 1e-12 for d in moved), moved
-    done["optimizer_kept"] = 1
-    return done
+
+
+def processes_and_replicas() -> dict[str, str | None]:
+    """Every behaviour of N processes x 2 replicas, in one world (those across ranks on 2 or more)."""
+    import torch
+
+    torch.set_num_threads(1)
+    report = REPLICAS.run()
+    if phalanx.size() > 1:
+        report.update(ACROSS_RANKS.run())
+    return report

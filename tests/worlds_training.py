@@ -19,11 +19,18 @@ from typing import Any
 import numpy as np
 
 import phalanx
+from behaviours import Behaviours
+from helpers import raise_in_backward
 
 STEPS = 10
 PER_RANK = 4
 TIGHT = 1e-9     # float64 models: only summation order differs
 COMPRESSED = 2e-2  # 16-bit gradients on the wire: ~3 significant digits per step
+
+TRAINING = Behaviours()      # checked on every world
+ACROSS_RANKS = Behaviours()  # checked on worlds of 2 or more ranks
+COMPILED = Behaviours()      # torch.compile (aot_eager)
+INDUCTOR = Behaviours()      # torch.compile (inductor; slow to compile cold)
 
 
 def _setup() -> tuple[Any, Any, int, int]:
@@ -72,8 +79,7 @@ def mse(torch: Any, out: Any, y: Any) -> Any:
     return torch.nn.functional.mse_loss(out, y)
 
 
-def assert_close(model: Any, ref: Any, what: str, tol: float) -> int:
-    checks = 0
+def assert_close(model: Any, ref: Any, what: str, tol: float) -> None:
     for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
         if not p.is_floating_point():
             assert p.equal(q), f"{what}: {name} is {p.tolist()}, the 1-process run has {q.tolist()}"
@@ -81,8 +87,6 @@ def assert_close(model: Any, ref: Any, what: str, tol: float) -> int:
         err = (p - q).abs().max().item()
         assert err <= tol * max(1.0, q.abs().max().item()), \
             f"{what}: {name} differs from the 1-process run by {err:.3g} (tolerance {tol:g})"
-        checks += 1
-    return checks
 
 
 def same_on_every_rank(torch: Any, t: Any, what: str) -> None:
@@ -116,7 +120,7 @@ def make_optimizer(torch: Any, kind: str, params: Any) -> Any:
     return torch.optim.Adam(params, lr=0.01)
 
 
-def run_case(case: dict[str, Any], compiled: str | None = None) -> int:
+def run_case(case: dict[str, Any], compiled: str | None = None) -> None:
     torch, pt, r, n = _setup()
     build, shape = MODELS[case["model"]]
     model, ref = build(torch, 100 + r), build(torch, 100)
@@ -160,10 +164,21 @@ def run_case(case: dict[str, Any], compiled: str | None = None) -> int:
         engine = opt._engine if case["form"] == "opt" else net._engine
         assert all(b.wire is not None for b in engine._buckets)
     tol = COMPRESSED if case.get("compression") else TIGHT
-    return assert_close(model, ref, f"{case} on {n} ranks", tol)
+    assert_close(model, ref, f"{case} on {n} ranks", tol)
 
 
-def unused_and_frozen(form: str) -> int:
+def case_name(case: dict[str, Any]) -> str:
+    """``mlp-DistributedOptimizer-sgd-bf16``: what the case varies, as a test id."""
+    form = {"opt": "DistributedOptimizer", "dp": "DataParallel"}[case["form"]]
+    extras = [f"{k}={v}" for k, v in case.items() if k not in ("model", "form", "opt")]
+    return "-".join([case["model"], form, case["opt"], *extras])
+
+
+for _case in CASES:
+    TRAINING.add(f"trains-like-one-process-{case_name(_case)}", run_case, _case)
+
+
+def unused_and_frozen(form: str) -> None:
     """A parameter used on rank 1 only, one used nowhere, one frozen; a rank without backward."""
     torch, pt, r, n = _setup()
     nn = torch.nn
@@ -207,10 +222,15 @@ def unused_and_frozen(form: str) -> int:
     assert model.never.weight.grad is None, "a parameter no rank used must keep grad=None"
     assert model.frozen.weight.grad is None
     assert (model.extra.weight.grad is None) == (n == 1), "rank 1's gradient must reach every rank"
-    return assert_close(model, ref, f"unused/frozen ({form}) on {n} ranks", TIGHT) + 3
+    assert_close(model, ref, f"unused/frozen ({form}) on {n} ranks", TIGHT)
 
 
-def grad_scaler() -> int:
+TRAINING.add("unused-frozen-parameters-and-a-rank-without-backward-DistributedOptimizer", unused_and_frozen, "opt")
+TRAINING.add("unused-frozen-parameters-and-a-rank-without-backward-DataParallel", unused_and_frozen, "dp")
+
+
+@TRAINING.behaviour("grad-scaler-sees-reduced-gradients-and-skips-an-inf-step-on-every-rank")
+def grad_scaler() -> None:
     """GradScaler: unscale_ sees reduced gradients, and an inf on one rank skips the step everywhere."""
     torch, pt, r, n = _setup()
     model, ref = mlp(torch, 100 + r), mlp(torch, 100)
@@ -239,10 +259,11 @@ def grad_scaler() -> int:
         if step == skipped:  # found on every rank (the reduced gradients carry the inf): skipped, scale halved
             assert scalers[0].get_scale() == scalers[1].get_scale() == before / 2, "the inf step must be skipped"
     assert scalers[0].get_scale() == scalers[1].get_scale()
-    return assert_close(model, ref, f"GradScaler on {n} ranks", TIGHT) + 2
+    assert_close(model, ref, f"GradScaler on {n} ranks", TIGHT)
 
 
-def checkpoints() -> int:
+@TRAINING.behaviour("state-dict-round-trip-resumes-exactly-and-add-param-group-reduces")
+def checkpoints() -> None:
     """state_dict()/load_state_dict() are the wrapped optimizer's: a round trip resumes exactly."""
     torch, pt, r, n = _setup()
     model = mlp(torch, 100 + r)
@@ -266,7 +287,7 @@ def checkpoints() -> int:
     assert twin_opt.state is twin_opt.optimizer.state  # still shared after the load replaced it
     train(model, opt, range(3, 6))
     train(twin, twin_opt, range(3, 6))
-    checks = assert_close(twin, model, f"resumed from state_dict on {n} ranks", 0.0) + 4
+    assert_close(twin, model, f"resumed from state_dict on {n} ranks", 0.0)
     # add_param_group (fine-tuning unfreezes a layer): rank 0's values, reduced from then on.
     torch.manual_seed(r)
     extra = torch.nn.Linear(3, 3).double()
@@ -278,26 +299,17 @@ def checkpoints() -> int:
         mse(torch, extra(model(piece(x, r))), piece(y, r)).backward()
         opt.step()
     same_on_every_rank(torch, extra.weight, "a parameter group added later, after training")
-    return checks + 2
 
 
-def misuse() -> int:
-    """Clear errors for zero_grad() with reductions in flight, bad arguments, double wrapping."""
+@TRAINING.behaviour("zero-grad-while-reductions-are-in-flight-is-a-usage-error")
+def zero_grad_in_flight() -> None:
+    """A backward that raised after launching buckets: zero_grad() says to complete them first."""
     torch, pt, r, n = _setup()
     nn = torch.nn
 
-    class Boom(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: Any) -> Any:
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: Any, g: Any) -> Any:
-            raise RuntimeError("boom in backward")
-
     class BoomLayer(nn.Module):
         def forward(self, x: Any) -> Any:
-            return Boom.apply(x)
+            return raise_in_backward(x, RuntimeError("boom in backward"))
 
     torch.manual_seed(r)
     model = nn.Sequential(nn.Linear(4, 4), BoomLayer(), nn.Linear(4, 4)).double()
@@ -317,36 +329,53 @@ def misuse() -> int:
         raise AssertionError("zero_grad() with reductions in flight must raise")
     opt.reduce_gradients()  # completes what the aborted backward launched (and the rest, as zeros)
     opt.zero_grad()
-    checks = 2
-    for bad in ({"op": "mean"}, {"compression": "int8"}, {"bucket_cap_mb": 0},
-                {"backward_passes_per_step": 0}):
+
+
+@TRAINING.behaviour("bad-wrapper-arguments-are-invalid-argument-errors-naming-the-value")
+def bad_arguments() -> None:
+    torch, pt, r, n = _setup()
+    model = torch.nn.Linear(4, 4).double()
+    shared = ({"op": "mean"}, {"compression": "int8"}, {"bucket_cap_mb": 0})
+    attempts = [("DistributedOptimizer", bad) for bad in (*shared, {"backward_passes_per_step": 0})]
+    attempts += [("DataParallel", bad) for bad in shared]
+    for wrapper, bad in attempts:
         try:
-            pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **bad)
+            if wrapper == "DataParallel":
+                pt.DataParallel(model, **bad)
+            else:
+                pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **bad)
         except phalanx.InvalidArgumentError as exc:
-            assert repr(next(iter(bad.values()))) in str(exc), exc
-            checks += 1
+            assert f"phalanx.torch.{wrapper}" in str(exc) and repr(next(iter(bad.values()))) in str(exc), exc
+        else:
+            raise AssertionError(f"phalanx.torch.{wrapper}(**{bad}) was accepted")
+    opt = pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     try:
         pt.DistributedOptimizer(opt)
-    except phalanx.InvalidArgumentError:
-        checks += 1
-    # Wrapping both the model and its optimizer: the newer wrapper takes over, with a warning.
+    except phalanx.InvalidArgumentError as exc:
+        assert "plain torch optimizer" in str(exc), exc
+    else:
+        raise AssertionError("wrapping a DistributedOptimizer again was accepted")
+    opt.close()
+
+
+@TRAINING.behaviour("wrapping-the-model-and-then-its-optimizer-the-newer-takes-over-with-a-warning")
+def double_wrapping() -> None:
+    torch, pt, r, n = _setup()
     torch.manual_seed(0)
-    plain = nn.Linear(3, 3).double()
+    plain = torch.nn.Linear(3, 3).double()
     dp = pt.DataParallel(plain)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pt.DistributedOptimizer(torch.optim.SGD(dp.parameters(), lr=0.1))
     assert any("takes over" in str(w.message) for w in caught) and dp._engine.closed
-    assert checks == 7, checks
-    return checks + 1
 
 
-def mismatched_models() -> int:
+@ACROSS_RANKS.behaviour("different-models-are-the-same-mismatch-error-on-every-rank")
+def mismatched_models() -> None:
     """Different models on different ranks: the same CollectiveMismatchError on every rank."""
     torch, pt, r, n = _setup()
     nn = torch.nn
     torch.manual_seed(0)
-    checks = 0
     shapes = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 5 if r == 0 else 6))
     counts = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2 if r == 0 else 3)])
     for model, expect in ((shapes, "1.weight"), (counts, "(none: it has only 4)")):
@@ -357,18 +386,16 @@ def mismatched_models() -> int:
                 wrap(model)
             except phalanx.CollectiveMismatchError as exc:
                 assert expect in str(exc) and "rank 1" in str(exc), exc
-                checks += 1
             else:
                 raise AssertionError("different models must not be wrapped silently")
     assert phalanx.allreduce(1) == n  # the world is still usable
-    return checks
 
 
-def buffers() -> int:
+@TRAINING.behaviour("data-parallel-broadcasts-rank-0-buffers-in-training-forward-and-not-in-eval")
+def buffers() -> None:
     """DataParallel broadcasts rank 0's buffers at each training forward; eval communicates nothing."""
     torch, pt, r, n = _setup()
     nn = torch.nn
-    checks = 0
     nets = {}
     for broadcast in (True, False):
         torch.manual_seed(200 + r)
@@ -387,20 +414,18 @@ def buffers() -> int:
         rows = phalanx.allgather(bn.running_mean.detach().clone())
         equal = all(torch.equal(rows[q], rows[0]) for q in range(n))
         assert equal == (broadcast or n == 1), f"broadcast_buffers={broadcast}: equal={equal}"
-        checks += 2
     if r == 0:  # evaluation on one rank only: no collective may happen (else the barrier mismatches)
         nets[True].eval()
         nets[True](x)
         synced = pt.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(6))).double().eval()
         synced(x)
     phalanx.barrier()
-    return checks + 1
 
 
-def sync_batchnorm() -> int:
+@TRAINING.behaviour("sync-batchnorm-on-uneven-batches-equals-batchnorm-on-the-whole-batch")
+def sync_batchnorm() -> None:
     """SyncBatchNorm on uneven per-rank batches equals BatchNorm on the concatenated batch."""
     torch, pt, r, n = _setup()
-    checks = 0
     for shape in ((3,), (3, 5), (3, 4, 4), (3, 2, 2, 2)):
         sizes = [q + 2 for q in range(n)]  # uneven: rank q holds q + 2 samples (rank 1 none, once)
         if n > 1 and len(shape) == 2:
@@ -431,11 +456,10 @@ def sync_batchnorm() -> int:
         for a, b in ((sync.running_mean, ref.running_mean), (sync.running_var, ref.running_var)):
             assert torch.allclose(a, b, atol=1e-12, rtol=0), (a, b)
         assert sync.num_batches_tracked.item() == ref.num_batches_tracked.item() == 2
-        checks += 6
-    return checks
 
 
-def gradients_helper() -> int:
+@TRAINING.behaviour("allreduce-gradients-of-a-module-and-of-lists-of-arrays")
+def gradients_helper() -> None:
     """phalanx.allreduce_gradients: a module (with a missing gradient) and lists of arrays/tensors."""
     torch, pt, r, n = _setup()
     model = torch.nn.Linear(3, 2)
@@ -452,10 +476,9 @@ def gradients_helper() -> int:
     assert torch.all(grads[1] == n * (n - 1) / 2) and np.all(grads[2] == n)
     named = {"w": torch.full((3,), float(r))}
     assert phalanx.allreduce_gradients(named)["w"][0].item() == (n - 1) / 2
-    return 7
 
 
-def checkpointed(reentrant: bool) -> int:
+def checkpointed(reentrant: bool) -> None:
     """Activation checkpointing; the reentrant kind runs a nested backward inside backward."""
     torch, pt, r, n = _setup()
     nn = torch.nn
@@ -482,36 +505,35 @@ def checkpointed(reentrant: bool) -> int:
         ref_opt.step()
     for p, q in zip(net.parameters(), ref.parameters(), strict=True):
         assert (p - q).abs().max().item() < TIGHT, f"checkpointing (reentrant={reentrant}) on {n} ranks"
-    return 1
 
 
-def training() -> dict[str, int]:
-    """Everything above, in one world; returns the number of checks per part."""
+TRAINING.add("activation-checkpointing-trains-the-same", checkpointed, False)
+TRAINING.add("reentrant-activation-checkpointing-nested-backward-trains-the-same", checkpointed, True)
+
+
+def training() -> dict[str, str | None]:
+    """Every behaviour above, in one world (those across ranks on 2 or more)."""
     torch, pt, r, n = _setup()
-    done: dict[str, int] = {}
-    for i, case in enumerate(CASES):
-        done[f"case{i}"] = run_case(case)
-    done["unused_opt"] = unused_and_frozen("opt")
-    done["unused_dp"] = unused_and_frozen("dp")
-    done["scaler"] = grad_scaler()
-    done["checkpoints"] = checkpoints()
-    done["misuse"] = misuse()
+    report = TRAINING.run()
     if n > 1:
-        done["mismatch"] = mismatched_models()
-    done["checkpoint"] = checkpointed(False) + checkpointed(True)
-    done["buffers"] = buffers()
-    done["syncbn"] = sync_batchnorm()
-    done["helper"] = gradients_helper()
-    return done
+        report.update(ACROSS_RANKS.run())
+    return report
 
 
-def compiled() -> int:
+_MLP_OPT = {"model": "mlp", "form": "opt", "opt": "sgd"}
+_CNN_DP = {"model": "cnn", "form": "dp", "opt": "adam"}
+for _case in (_MLP_OPT, _CNN_DP):
+    COMPILED.add(f"compiled-aot-eager-trains-like-one-process-{case_name(_case)}", run_case, _case, "aot_eager")
+    INDUCTOR.add(f"compiled-inductor-trains-like-one-process-{case_name(_case)}", run_case, _case, "inductor")
+
+
+def compiled() -> dict[str, str | None]:
     """A torch.compile'd model (aot_eager: dynamo + AOTAutograd, no code generation) trains the same."""
-    return (run_case({"model": "mlp", "form": "opt", "opt": "sgd"}, compiled="aot_eager")
-            + run_case({"model": "cnn", "form": "dp", "opt": "adam"}, compiled="aot_eager"))
+    _setup()
+    return COMPILED.run()
 
 
-def compiled_inductor() -> int:
+def compiled_inductor() -> dict[str, str | None]:
     """The same with inductor (slow to compile cold on CPU: not in the default test run)."""
-    return (run_case({"model": "mlp", "form": "opt", "opt": "sgd"}, compiled="inductor")
-            + run_case({"model": "cnn", "form": "dp", "opt": "adam"}, compiled="inductor"))
+    _setup()
+    return INDUCTOR.run()
