@@ -11,6 +11,7 @@ the launcher can name the *first* failing rank and show its traceback.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import sys
@@ -19,7 +20,9 @@ import traceback
 from types import TracebackType
 from typing import Any
 
-__all__ = ["install_abort_hook", "record_failure"]
+from ._files import write_atomically
+
+__all__ = ["install_abort_hook", "mark_rank", "record_failure"]
 
 JOB_DIR_ENV = "PHALANX_JOB_DIR"
 
@@ -46,18 +49,32 @@ def record_failure(exc_type: type[BaseException], exc: BaseException, tb: Traceb
         "message": str(exc),
         "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
     }
-    path = os.path.join(job_dir, f"failure-rank{rank}.json")
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w") as f:
+    # Whole or absent: the launcher reads it while this rank may still be killed. Not fsynced:
+    # it only has to outlive this process, not the machine.
+    with contextlib.suppress(OSError):  # the report is a courtesy; never mask the real failure
+        with write_atomically(os.path.join(job_dir, f"failure-rank{rank}.json"), "w", durable=False) as f:
             json.dump(record, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # the report is a courtesy; never mask the real failure
+
+
+def mark_rank(kind: str, rank: int | None = None) -> None:
+    """Leave an empty ``<kind>-rank<r>`` file in ``$PHALANX_JOB_DIR`` (if set) for the launcher.
+
+    ``kind``: ``"init"`` when ``phalanx.init`` starts, ``"ready"`` when the world is formed
+    (``phalanx run --start-timeout`` names the ranks that have neither).
+    """
+    job_dir = os.environ.get(JOB_DIR_ENV)
+    if not job_dir:
+        return
+    rank = _rank() if rank is None else rank
+    with contextlib.suppress(OSError):  # on another host the job directory may not exist
+        open(os.path.join(job_dir, f"{kind}-rank{rank}"), "wb").close()
 
 
 def install_abort_hook(world: Any) -> None:
     """On an uncaught exception: print it, record it, then end the job (``backend.abort``).
+
+    Called by ``phalanx.init`` once the world is formed; also leaves this rank's ``ready``
+    marker for the launcher (:func:`mark_rank`).
 
     On MPI that is ``MPI_Abort`` (otherwise the job deadlocks); on gloo/nccl
     it exits at once, so peers see the closed connection within a second
@@ -67,6 +84,7 @@ def install_abort_hook(world: Any) -> None:
     job is aborted instead.
     """
     backend = world.backend
+    mark_rank("ready", backend.rank)
     if backend.size <= 1 or getattr(sys.excepthook, "_phalanx", False):
         return
     previous = sys.excepthook

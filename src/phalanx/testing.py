@@ -52,17 +52,29 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from ._errors import InvalidArgumentError, UnsupportedArgumentError
+from .launch._call import MAIN_ALIAS
+from .launch._job import worker_command
+from .launch._mpi_flavor import find_mpiexec
+from .launch._procs import descendants, kill_pids
+
 __all__ = ["WorldFailed", "available_backends", "run_world"]
 
 _STOP_GRACE = 5.0  # after the hard timeout: how long the launcher gets to stop its ranks itself
 
 
 class WorldFailed(AssertionError):
-    """A world started by :func:`run_world` failed or timed out.
+    """Raised by :func:`run_world` when a world failed, timed out or a rank returned nothing.
 
-    ``returncode``: the launcher's exit status (``None`` after a timeout);
-    ``outputs``: rank -> that rank's complete stdout+stderr; ``report``: what
-    the launcher printed (its failure report); ``elapsed``: seconds.
+    An ``AssertionError``, so a test that calls ``run_world`` fails (not errors) with the
+    message: what went wrong, the launcher's report, then every rank's output.
+
+    Attributes:
+        ``returncode``: the launcher's exit status (``None`` after the hard timeout).
+        ``timed_out``: whether the hard ``timeout`` of ``run_world`` passed.
+        ``outputs``: rank -> that rank's complete stdout and stderr.
+        ``report``: what the launcher printed (its failure report naming the first failing rank).
+        ``elapsed``: seconds from start to end.
     """
 
     def __init__(self, message: str, *, returncode: int | None, outputs: dict[int, str], report: str,
@@ -77,10 +89,12 @@ class WorldFailed(AssertionError):
 
 @functools.lru_cache(maxsize=1)
 def available_backends() -> list[str]:
-    """Backends :func:`run_world` can use here: ``local`` always; ``mpi`` with mpi4py and an
-    mpiexec; ``gloo`` when torch.distributed has it."""
-    from .cli._mpiexec import find_mpiexec
+    """The backends :func:`run_world` can start on this machine, e.g. ``["local", "mpi", "gloo"]``.
 
+    ``"local"`` always; ``"mpi"`` when mpi4py and an ``mpiexec`` are installed; ``"gloo"``
+    when the installed torch ships torch.distributed. Imports neither torch nor mpi4py;
+    the answer is cached for the process.
+    """
     found = ["local"]
     if importlib.util.find_spec("mpi4py") is not None and find_mpiexec() is not None:
         found.append("mpi")
@@ -104,27 +118,41 @@ def _gloo_available() -> bool:
 def run_world(fn: Callable[..., Any], n: int = 2, backend: str = "mpi", *, timeout: float = 60.0,
               op_timeout: float | None = None, args: Sequence[Any] = (),
               env: Mapping[str, str] | None = None) -> list[Any]:
-    """``fn(*args)`` on each of ``n`` fresh ranks; returns their return values in rank order.
+    """Run ``fn(*args)`` on each of ``n`` fresh ranks and return their return values in rank order.
 
-    ``backend``: ``"local"`` (``n`` must be 1), ``"mpi"``, ``"gloo"`` or ``"nccl"``.
-    ``timeout``: hard limit in seconds for the whole world, start-up included.
-    ``op_timeout``: ``phalanx.init(timeout=...)`` on every rank (how long a
-    collective may wait). ``env``: extra environment variables for the ranks.
-    Raises :class:`WorldFailed` (an ``AssertionError``) when anything fails.
+    The world is started as users start theirs (mpiexec for ``"mpi"``, the spawning launcher
+    for ``"gloo"``/``"nccl"``, one plain process for ``"local"``); every rank calls
+    ``phalanx.init(backend)``, then ``fn(*args)``, and its return value comes back pickled.
+
+    What runs:
+        ``fn``: a function defined at module level in an importable file (each rank imports
+        that file under the same module name, so classes it defines unpickle on both sides).
+        ``args``: its positional arguments (pickled). ``env``: extra environment variables
+        for every rank.
+
+    The world:
+        ``n``: number of ranks (``1`` for ``"local"``). ``backend``: ``"local"``, ``"mpi"``,
+        ``"gloo"`` or ``"nccl"``. ``op_timeout``: ``phalanx.init(timeout=...)`` on every
+        rank, the seconds a collective may wait.
+
+    Limits:
+        ``timeout``: hard limit in seconds for the whole world, start-up included; after
+        it every process of the world is killed.
+
+    Returns:
+        ``[value of rank 0, value of rank 1, ...]``.
+
+    Raises:
+        :class:`WorldFailed` (an ``AssertionError``) when a rank fails, the world times out
+        or a rank returns nothing, with the launcher's report and every rank's output.
+        :class:`~phalanx.InvalidArgumentError` for a bad ``n``/``backend``;
+        :class:`~phalanx.UnsupportedArgumentError` for an ``fn`` the ranks cannot import.
     """
-    if backend not in ("local", "mpi", "gloo", "nccl"):
-        raise ValueError(f"run_world(backend={backend!r}): use 'local', 'mpi', 'gloo' or 'nccl'")
-    if backend == "local" and n != 1:
-        raise ValueError(f"run_world(n={n}, backend='local'): a local world has exactly one rank; use n=1")
-    if n < 1:
-        raise ValueError(f"run_world(n={n}): a world needs at least one rank")
+    _check_world(n, backend)
     call = _locate(fn)
     call.update(backend=backend, op_timeout=op_timeout, sys_path=[p for p in sys.path if p])
     if call["module"] == "__main__":
-        from .cli._call import MAIN_ALIAS
-
         sys.modules.setdefault(MAIN_ALIAS, sys.modules["__main__"])  # results from the ranks name it
-
     tmp = tempfile.mkdtemp(prefix="phalanx-world-")
     try:
         with open(os.path.join(tmp, "call.json"), "w") as f:
@@ -132,25 +160,15 @@ def run_world(fn: Callable[..., Any], n: int = 2, backend: str = "mpi", *, timeo
         with open(os.path.join(tmp, "args.pkl"), "wb") as f:
             pickle.dump(tuple(args), f, protocol=pickle.HIGHEST_PROTOCOL)
         logs = os.path.join(tmp, "logs")
-        child = [sys.executable, "-m", "phalanx.cli._worker", "-m", "phalanx.cli._call", tmp]
-        if backend == "local":
-            cmd = child
-        else:
-            cmd = [sys.executable, "-m", "phalanx", "run", "-n", str(n), "--backend", backend,
-                   "--log-dir", logs, "--no-echo", *child[3:]]
         full_env = dict(os.environ, PHALANX_BACKEND=backend, PYTHONUNBUFFERED="1", **(env or {}))
-        returncode, report, elapsed, timed_out = _run(cmd, full_env, timeout)
+        returncode, report, elapsed, timed_out = _run(_world_command(n, backend, tmp, logs), full_env, timeout)
         if backend == "local":
             outputs, report = {0: report}, ""
         else:
             outputs = {r: _read(os.path.join(logs, f"rank.{r}.log")) for r in range(n)}
         results = [os.path.join(tmp, f"result-rank{r}.pkl") for r in range(n)]
         if returncode == 0 and all(os.path.exists(p) for p in results):
-            values = []
-            for path in results:
-                with open(path, "rb") as f:
-                    values.append(pickle.load(f))
-            return values
+            return [_load(path) for path in results]
         if timed_out:
             what = f"did not finish within timeout={timeout:g} s; every process was killed"
         elif returncode == 0:
@@ -164,23 +182,49 @@ def run_world(fn: Callable[..., Any], n: int = 2, backend: str = "mpi", *, timeo
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _check_world(n: int, backend: str) -> None:
+    if backend not in ("local", "mpi", "gloo", "nccl"):
+        raise InvalidArgumentError(f"phalanx.testing.run_world(backend={backend!r}): unknown backend; use "
+                                   "'local', 'mpi', 'gloo' or 'nccl' (available_backends() lists those here).")
+    if not isinstance(n, int) or n < 1:
+        raise InvalidArgumentError(f"phalanx.testing.run_world(n={n!r}): a world needs at least one rank; "
+                                   "pass n=1 or more.")
+    if backend == "local" and n != 1:
+        raise InvalidArgumentError(f"phalanx.testing.run_world(n={n}, backend='local'): a local world has "
+                                   "exactly one rank; use n=1, or backend='mpi' or 'gloo' for more.")
+
+
+def _world_command(n: int, backend: str, call_dir: str, logs: str) -> list[str]:
+    """The local rank itself, or the launcher (``python -m phalanx.launch``) starting ``n`` ranks."""
+    target = ["-m", "phalanx.launch._call", call_dir]
+    if backend == "local":
+        return worker_command(target)
+    job = {"n": n, "backend": backend, "target": target, "log_dir": logs, "echo": False}
+    return [sys.executable, "-m", "phalanx.launch", json.dumps(job)]
+
+
+def _load(path: str) -> Any:
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
 def _locate(fn: Callable[..., Any]) -> dict[str, Any]:
     qualname = getattr(fn, "__qualname__", None)
     if not callable(fn) or not qualname or "<" in qualname:
-        raise TypeError(f"run_world(fn={fn!r}): fn must be a function defined at module level (not a "
-                        "lambda or a nested function), so that every rank can import it")
+        raise UnsupportedArgumentError(
+            f"phalanx.testing.run_world(fn={fn!r}): fn must be a function defined at module level (not a "
+            "lambda or a nested function), so that every rank can import it; move it to the top of a file.")
     try:
         path = os.path.abspath(inspect.getfile(fn))
     except TypeError:
-        raise TypeError(f"run_world(fn={fn!r}): fn must be defined in a file (not in an interactive "
-                        "session), so that every rank can import it") from None
+        raise UnsupportedArgumentError(
+            f"phalanx.testing.run_world(fn={fn!r}): fn must be defined in a file (not in an interactive "
+            "session), so that every rank can import it; put it in a module.") from None
     return {"file": path, "module": fn.__module__, "qualname": qualname}
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int | None, str, float, bool]:
     """(exit status, combined output, seconds, timed out); on timeout nothing started survives."""
-    from .cli._procs import descendants, kill_pids
-
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)

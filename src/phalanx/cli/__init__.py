@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     command, rest = argv[0], argv[1:]
-    from ._launch import LaunchError
+    from .._errors import LaunchError
 
     try:
         if command == "run":

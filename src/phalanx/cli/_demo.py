@@ -22,8 +22,7 @@ import shlex
 import sys
 import tempfile
 
-from ._launch import Launch, launch
-from ._run import default_backend
+from ..launch import Launch, default_backend, launch
 
 __all__ = ["main"]
 

@@ -48,7 +48,7 @@ def _probe_mpi() -> dict[str, Any]:
     except ImportError:
         return {"mpi4py": "not installed"}
     found: dict[str, Any] = {"mpi4py": mpi4py.__version__}
-    from ._mpiexec import library_version
+    from ..launch._mpi_flavor import library_version
 
     found["MPI library"] = " ".join(library_version().strip().splitlines()[0].split())
     try:
@@ -104,7 +104,7 @@ def collect() -> dict[str, Any]:
     """Everything ``phalanx info`` shows, as a JSON-ready dict."""
     import phalanx
 
-    from ._mpiexec import find_mpiexec, mpiexec_flavor
+    from ..launch._mpi_flavor import find_mpiexec, mpiexec_flavor
 
     found: dict[str, Any] = {
         "python": f"{platform.python_version()} ({sys.executable})",
@@ -117,7 +117,7 @@ def collect() -> dict[str, Any]:
     found["mpiexec"] = f"{mpiexec} ({mpiexec_flavor(mpiexec).banner})" if mpiexec else "not found"
 
     def default() -> str:
-        from ._run import default_backend
+        from ..launch import default_backend
 
         return default_backend()
 

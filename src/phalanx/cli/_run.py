@@ -1,22 +1,20 @@
-"""``phalanx run``: argument parsing and the default backend."""
+"""``phalanx run``: its arguments, turned into a :class:`phalanx.launch.Launch`."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shlex
-import subprocess
-import sys
 
-from ._launch import Launch, LaunchError, launch
+from .._errors import LaunchError
+from ..launch import Launch, default_backend, launch
 
-__all__ = ["add_run_options", "default_backend", "main", "split_target"]
+__all__ = ["add_run_options", "job_from_args", "main", "split_target"]
 
 USAGE = "phalanx run -n N [options] script.py [args...]\n       phalanx run -n N [options] -m module [args...]"
 
 # Launcher options that take a value: everything before the script (or -m) belongs to phalanx.
-_VALUED = {"-n", "--np", "--backend", "--log-dir", "--timeout", "--mpiexec", "--mpi-args"}
+_VALUED = {"-n", "--np", "--backend", "--log-dir", "--timeout", "--start-timeout", "--mpiexec", "--mpi-args"}
 
 
 def split_target(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -52,6 +50,9 @@ def add_run_options(parser: argparse.ArgumentParser, *, n_default: int | None = 
                         help="with --log-dir: do not echo the ranks' output to the console")
     parser.add_argument("--timeout", type=float, metavar="S",
                         help="seconds a collective may wait for the other ranks (sets PHALANX_TIMEOUT)")
+    parser.add_argument("--start-timeout", type=float, metavar="S",
+                        help="seconds every rank has to reach phalanx.init once another rank has; else the "
+                             "job ends naming the missing ranks (default PHALANX_START_TIMEOUT or 600)")
     parser.add_argument("--mpiexec", metavar="PATH", help="the mpiexec to use (default: the one beside "
                         "this Python, e.g. from `pip install mpich`, then PATH)")
     parser.add_argument("--mpi-args", default="", metavar="'ARGS'",
@@ -70,42 +71,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def default_backend(mpiexec: str | None = None) -> str:
-    """What ``phalanx run`` uses without ``--backend`` (see DESIGN: mpi, else nccl with GPUs, else gloo)."""
-    from ._mpiexec import find_mpiexec
-
-    if mpiexec or importlib.util.find_spec("mpi4py") is not None and find_mpiexec() is not None:
-        return "mpi"  # an explicit --mpiexec means MPI, even a wrong one (run_mpi then says so)
-    if importlib.util.find_spec("torch") is None:
-        raise LaunchError(
-            "phalanx run: no backend to run on: install MPI (`pip install 'phalanx[mpich]'`) or PyTorch "
-            "(`pip install torch`, for gloo and nccl)."
-        )
-    return "nccl" if _has_gpus() else "gloo"
-
-
-def _has_gpus() -> bool:
-    """Ask torch in a subprocess (importing torch costs seconds; skip it when no GPU driver is present)."""
-    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")):
-        return False
-    try:
-        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
-                             capture_output=True, text=True, timeout=120)
-        return int(out.stdout.strip() or 0) > 0
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return False
-
-
 def job_from_args(args: argparse.Namespace, target: list[str]) -> Launch:
-    if args.timeout is not None and not args.timeout > 0:
-        raise LaunchError(f"phalanx run: --timeout must be a positive number of seconds, got {args.timeout}")
+    """The job the parsed options describe (LaunchError for values no job can run with)."""
+    for flag, value in (("--timeout", args.timeout), ("--start-timeout", args.start_timeout)):
+        if value is not None and not 0 < value < float("inf"):
+            raise LaunchError(f"phalanx run {flag} {value:g}: give a positive number of seconds, e.g. {flag} 60.")
     try:
         mpi_args = shlex.split(args.mpi_args)
     except ValueError as exc:
         raise LaunchError(f"phalanx run: cannot split --mpi-args {args.mpi_args!r}: {exc}") from None
     backend = args.backend or default_backend(args.mpiexec)
     return Launch(n=args.n, backend=backend, target=target, log_dir=args.log_dir, echo=args.echo,
-                  timeout=args.timeout, mpiexec=args.mpiexec, mpi_args=mpi_args)
+                  timeout=args.timeout, mpiexec=args.mpiexec, mpi_args=mpi_args, start_timeout=args.start_timeout)
 
 
 def main(argv: list[str]) -> int:

@@ -1,7 +1,7 @@
 """The failure report: which rank failed first, how, and its traceback.
 
 Ranks leave ``failure-rank<r>.json`` in the job directory when they raise
-(:func:`phalanx._failure.record_failure`). A rank killed by a signal leaves
+(:func:`phalanx._failure.record_failure`; read by :mod:`._jobdir`). A rank killed by a signal leaves
 nothing; the launcher then knows only when it saw it die. The first failure
 is the earliest of both, except that errors which only *echo* another rank's
 death (a peer lost, a broken world) count only when nothing else explains the job's end.
@@ -9,15 +9,13 @@ death (a peer lost, a broken world) count only when nothing else explains the jo
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 from dataclasses import dataclass, field
 from typing import Any
 
 from ._procs import signal_name
 
-__all__ = ["Death", "any_record", "describe_exit", "failure_report", "first_failure", "read_records"]
+__all__ = ["ECHOES", "Death", "describe_exit", "failure_report", "first_failure"]
 
 # Errors a rank raises because *another* rank failed: never the root cause when one is known.
 ECHOES = ("RankFailedError", "WorldBrokenError", "DistBackendError")
@@ -31,31 +29,6 @@ class Death:
     at: float | None = None  # time.time() when the launcher noticed
     by_launcher: bool = False  # the launcher stopped it after the first failure
     notes: list[str] = field(default_factory=list)
-
-
-def any_record(job_dir: str) -> bool:
-    """Cheap: has some rank recorded an exception yet?"""
-    try:
-        return any(name.startswith("failure-rank") for name in os.listdir(job_dir))
-    except OSError:
-        return False
-
-
-def read_records(job_dir: str) -> dict[int, dict[str, Any]]:
-    records: dict[int, dict[str, Any]] = {}
-    try:
-        names = os.listdir(job_dir)
-    except OSError:
-        return records
-    for name in names:
-        if name.startswith("failure-rank") and name.endswith(".json"):
-            try:
-                with open(os.path.join(job_dir, name)) as f:
-                    record = json.load(f)
-                records[int(record["rank"])] = record
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # a half-written record: the rank was killed while writing it
-    return records
 
 
 def describe_exit(code: int) -> str:

@@ -18,10 +18,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from ._launch import GRACE, Launch, Signals, stop_grace, worker_command
+from ._job import GRACE, Launch, Signals, worker_command
+from ._jobdir import any_record, read_records
 from ._logs import Echo, log_path, pump
 from ._procs import child_setup, stop_groups
-from ._report import Death, any_record, failure_report, first_failure, read_records
+from ._report import Death, failure_report, first_failure
 
 __all__ = ["free_port", "run_spawn"]
 
@@ -91,7 +92,7 @@ def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) 
         time.sleep(POLL)
 
     if running:
-        grace = stop_grace() if signals.received and not failed else GRACE
+        grace = signals.stop_grace if signals.received and not failed else GRACE
         stopped = _stop(procs, running, set(read_records(job_dir)), reap, lambda: signals.count > 1, grace)
         for rank in stopped:
             deaths[rank].by_launcher = True

@@ -1,4 +1,4 @@
-"""One rank of :func:`phalanx.testing.run_world`: ``python -m phalanx.cli._call CALL_DIR``.
+"""One rank of :func:`phalanx.testing.run_world`: ``python -m phalanx.launch._call CALL_DIR``.
 
 ``CALL_DIR/call.json`` says where the function lives (file, module name,
 qualified name) and how to start phalanx; ``CALL_DIR/args.pkl`` holds its
@@ -20,6 +20,11 @@ import sys
 from types import ModuleType
 from typing import Any
 
+from .._errors import LaunchError
+from .._files import write_atomically
+
+__all__ = ["MAIN_ALIAS", "load_module", "main"]
+
 MAIN_ALIAS = "__phalanx_main__"  # a test script's __main__, imported without running its main block
 
 
@@ -39,7 +44,8 @@ def load_module(path: str, name: str) -> ModuleType:
             return importlib.import_module(name)
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise ImportError(f"phalanx.testing: cannot import {path} as module {name!r}")
+        raise LaunchError(f"phalanx.testing.run_world: cannot import {path} as module {name!r}; fn must be "
+                          "defined in an importable Python file.")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -78,10 +84,9 @@ def main(call_dir: str) -> None:
     else:
         phalanx.init(call["backend"], timeout=call["op_timeout"])
     result = fn(*args)
-    path = os.path.join(call_dir, f"result-rank{phalanx.rank()}.pkl")
-    with open(f"{path}.tmp", "wb") as f:
+    # Whole or absent, never half (the test process reads it once the launcher is done).
+    with write_atomically(os.path.join(call_dir, f"result-rank{phalanx.rank()}.pkl"), durable=False) as f:
         pickle.dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(f"{path}.tmp", path)
     phalanx.shutdown()
 
 

@@ -1,4 +1,4 @@
-"""What every rank runs: ``python -m phalanx.cli._worker [-m module | script] args...``.
+"""What every rank runs: ``python -m phalanx.launch._worker [-m module | script] args...``.
 
 Runs the user's code as ``__main__`` (like ``python script.py`` /
 ``python -m module``, with ``sys.argv`` and ``sys.path[0]`` set the same way)
@@ -79,7 +79,7 @@ def _leave_pid(job_dir: str, rank: int) -> None:
 def run(argv: list[str]) -> None:
     """Run ``[-m module | script] args...`` as ``__main__``."""
     if not argv or argv[0] == "-m" and len(argv) < 2:
-        raise SystemExit("usage: python -m phalanx.cli._worker [-m module | script] [args...]")
+        raise SystemExit("usage: python -m phalanx.launch._worker [-m module | script] [args...]")
     if argv[0] == "-m":
         sys.argv = argv[1:]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
@@ -91,7 +91,7 @@ def run(argv: list[str]) -> None:
 
 def _user_frames(exc: BaseException) -> BaseException:
     """Drop the leading frames of this bootstrap, runpy and phalanx.testing's rank runner
-    (``phalanx.cli``): they are noise to the user."""
+    (``phalanx.launch``): they are noise to the user."""
     ours = os.path.dirname(os.path.abspath(__file__))
     runner = {os.path.abspath(runpy.__file__ or ""), "<frozen runpy>"}
     tb = exc.__traceback__

@@ -1,0 +1,69 @@
+"""The files ranks leave in the job directory (``$PHALANX_JOB_DIR``) for their launcher.
+
+==========================  ==========================================  ===============================
+file                        written by                                  tells the launcher
+==========================  ==========================================  ===============================
+``pid-rank<r>``             the worker bootstrap, first thing           the rank's pid and host
+``init-rank<r>``            ``phalanx.init``, on entry                  the rank has reached init
+``ready-rank<r>``           ``phalanx.init``, once the world is formed  the rank is past init
+``failure-rank<r>.json``    the worker or the abort hook, on an error   the exception and when
+``exit-rank<r>``            the worker, as the very last thing          the rank ended by itself
+==========================  ==========================================  ===============================
+
+Every reader here tolerates missing and half-written files: a rank may be
+killed at any moment, and on another host the directory may not exist.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+__all__ = ["any_record", "marked_ranks", "pid_files", "read_records"]
+
+
+def _names(job_dir: str) -> list[str]:
+    try:
+        return os.listdir(job_dir)
+    except OSError:
+        return []
+
+
+def marked_ranks(job_dir: str, kind: str) -> set[int]:
+    """The ranks that left a ``<kind>-rank<r>`` marker (``kind``: ``init``, ``ready``, ``exit``, ``pid``)."""
+    prefix = f"{kind}-rank"
+    return {int(name[len(prefix):]) for name in _names(job_dir)
+            if name.startswith(prefix) and name[len(prefix):].isdigit()}
+
+
+def any_record(job_dir: str) -> bool:
+    """Cheap: has some rank recorded an exception yet?"""
+    return any(name.startswith("failure-rank") for name in _names(job_dir))
+
+
+def read_records(job_dir: str) -> dict[int, dict[str, Any]]:
+    """rank -> its failure record (``rank``, ``time``, ``type``, ``message``, ``traceback``)."""
+    records: dict[int, dict[str, Any]] = {}
+    for name in _names(job_dir):
+        if name.startswith("failure-rank") and name.endswith(".json"):
+            try:
+                with open(os.path.join(job_dir, name)) as f:
+                    record = json.load(f)
+                records[int(record["rank"])] = record
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # a rank killed while writing: records are written atomically, but be safe
+    return records
+
+
+def pid_files(job_dir: str, skip: set[int] | frozenset[int] = frozenset()) -> dict[int, tuple[int, str]]:
+    """rank -> (pid, host), from the ``pid-rank<r>`` files the workers wrote."""
+    found = {}
+    for rank in marked_ranks(job_dir, "pid") - set(skip):
+        try:
+            with open(os.path.join(job_dir, f"pid-rank{rank}")) as f:
+                pid, host = f.read().split()
+            found[rank] = (int(pid), host)
+        except (OSError, ValueError):
+            continue
+    return found

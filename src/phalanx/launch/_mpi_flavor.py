@@ -1,0 +1,134 @@
+"""Which ``mpiexec`` to run, which MPI it belongs to, and the arguments that implementation needs.
+
+MPICH's Hydra and Open MPI's mpiexec differ in what a laptop user trips over:
+
+* Open MPI refuses to run as root (containers, CI) unless
+  ``OMPI_ALLOW_RUN_AS_ROOT=1`` and ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1`` are set,
+  and refuses more ranks than cores unless told to oversubscribe; it forwards
+  to remote nodes only the variables named with ``-x``.
+* Hydra (MPICH, Intel MPI) runs as root, oversubscribes and forwards the whole
+  environment by default.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .._errors import LaunchError
+from ._job import Launch, notice
+
+__all__ = ["Flavor", "check_library", "classify", "find_mpiexec", "library_version", "mpiexec_flavor",
+           "openmpi_args"]
+
+INSTALL_HINT = ("install one with `pip install 'phalanx[mpich]'` (MPICH from PyPI), or load your "
+                "cluster's MPI module (`module load openmpi`), or pass --mpiexec PATH")
+
+
+def find_mpiexec(explicit: str | None = None) -> str | None:
+    """``explicit`` (a path or a name on PATH), else the mpiexec beside ``sys.executable``
+    (a virtual environment's, from ``pip install mpich``), else ``mpiexec``/``mpirun`` on PATH."""
+    if explicit:
+        path = explicit if os.sep in explicit else shutil.which(explicit)
+        return path if path and os.path.isfile(path) and os.access(path, os.X_OK) else None
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+@dataclass
+class Flavor:
+    family: str  # "mpich" (Hydra: MPICH, Intel MPI, MVAPICH), "openmpi" or "unknown"
+    version: tuple[int, ...]
+    banner: str  # first line of `mpiexec --version`
+
+
+def classify(text: str) -> str:
+    if re.search(r"Open MPI|OpenRTE|open-mpi\.org|PRRTE", text):
+        return "openmpi"
+    if re.search(r"HYDRA|MPICH|Intel\(R\) MPI|MVAPICH", text, re.IGNORECASE):
+        return "mpich"
+    return "unknown"
+
+
+def mpiexec_flavor(mpiexec: str) -> Flavor:
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=20)
+        text = out.stdout + out.stderr
+    except (OSError, subprocess.SubprocessError) as exc:
+        return Flavor("unknown", (), f"`{mpiexec} --version` failed: {exc}")
+    family = classify(text)
+    if family == "openmpi":
+        match = re.search(r"(?:Open MPI|OpenRTE|PRRTE)\)?\s*v?(\d+(?:\.\d+)+)", text)
+    else:
+        match = re.search(r"Version:\s*(\d+(?:\.\d+)+)", text) or re.search(r"(\d+(?:\.\d+)+)", text)
+    version = tuple(int(x) for x in match.group(1).split(".")) if match else ()
+    banner = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if family == "mpich" and banner.startswith("HYDRA"):  # "HYDRA build details:" says nothing
+        banner = f"Hydra {'.'.join(map(str, version))} (MPICH)"
+    return Flavor(family, version, banner)
+
+
+def library_version() -> str:
+    """mpi4py's MPI library version string, without initializing MPI (raises if unavailable)."""
+    import mpi4py
+
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = False
+    from mpi4py import MPI
+
+    return str(MPI.Get_library_version()).replace("\x00", "")  # Open MPI ends it with a NUL
+
+
+def _cores() -> int:
+    """Physical cores this process may use: Open MPI's default number of slots on this host."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+        cores = set()
+        for cpu in cpus:
+            topo = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+            with open(f"{topo}/physical_package_id") as p, open(f"{topo}/core_id") as c:
+                cores.add((p.read().strip(), c.read().strip()))
+        return len(cores) or len(cpus)
+    except (OSError, AttributeError):
+        return os.cpu_count() or 1
+
+
+def openmpi_args(job: Launch, flavor: Flavor, env: dict[str, str], ours: list[str]) -> list[str]:
+    args: list[str] = []
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and "OMPI_ALLOW_RUN_AS_ROOT" not in env:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        notice("running as root, so OMPI_ALLOW_RUN_AS_ROOT=1 and OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 are set "
+               "(Open MPI's mpiexec refuses root otherwise).")
+    user = " ".join(job.mpi_args)
+    placed = re.search(r"oversubscribe|--map-by|--host|-H\b|hostfile|machinefile", user, re.IGNORECASE)
+    cores = _cores()
+    if job.n > cores and not placed:
+        args += ["--map-by", ":OVERSUBSCRIBE"] if flavor.version[:1] >= (5,) else ["--oversubscribe"]
+        notice(f"{job.n} ranks on {cores} cores: adding `{' '.join(args)}` (Open MPI refuses more ranks "
+               "than cores otherwise; expect each rank to run slower).")
+    for name in ours:  # Open MPI forwards only named variables to other nodes
+        args += ["-x", name]
+    return args
+
+
+def check_library(mpiexec: str, flavor: Flavor) -> None:
+    """mpi4py on one MPI under another's mpiexec makes N worlds of one rank each: refuse."""
+    try:
+        library = library_version()
+    except Exception:  # noqa: BLE001 - the ranks will report a missing mpi4py themselves
+        return
+    family = classify(library)
+    if {family, flavor.family} == {"mpich", "openmpi"}:
+        first_line = library.strip().splitlines()[0] if library.strip() else "?"
+        raise LaunchError(
+            f"phalanx run: {mpiexec} is {flavor.family} ({flavor.banner}) but mpi4py uses {family} "
+            f"({first_line}); every rank would start a world of its own. Pass the matching mpiexec with "
+            "--mpiexec, or point mpi4py at the other library (MPI4PY_LIBMPI, see mpi4py's docs)."
+        )

@@ -1,0 +1,175 @@
+"""MPI jobs: build the ``mpiexec`` command, supervise it, explain how the job ended.
+
+``run_mpi`` is three steps: :func:`mpi_command` (which mpiexec, with the
+arguments its implementation needs), :class:`_Supervisor` (passes the user's
+signals on, ends a job whose failing rank's ``MPI_Abort`` did not, and a job
+whose ranks do not all reach ``phalanx.init`` in time) and :func:`_report`
+(names the rank that failed first, from the failure records, mpiexec's
+output and the order the ranks were seen to die).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .._errors import LaunchError
+from ._job import GRACE, Launch, Signals, worker_command
+from ._jobdir import any_record, pid_files, read_records
+from ._logs import FileFollower, log_path, pump
+from ._mpi_deaths import HOST, Watch, deaths_from
+from ._mpi_flavor import INSTALL_HINT, check_library, find_mpiexec, mpiexec_flavor, openmpi_args
+from ._procs import child_setup, descendants, kill_pids
+from ._report import failure_report, first_failure
+
+__all__ = ["mpi_command", "run_mpi"]
+
+ABORT_GRACE = 5.0  # after a rank recorded an exception, how long mpiexec may take to end the job itself
+
+
+def mpi_command(job: Launch, env: dict[str, str]) -> list[str]:
+    """The mpiexec command line for ``job``; adjusts ``env`` (what the ranks must and must not inherit)."""
+    mpiexec = find_mpiexec(job.mpiexec)
+    if mpiexec is None:
+        where = f"--mpiexec {job.mpiexec!r} is not an executable" if job.mpiexec else "no mpiexec was found"
+        raise LaunchError(f"phalanx run --backend mpi: {where}; {INSTALL_HINT}.")
+    flavor = mpiexec_flavor(mpiexec)
+    check_library(mpiexec, flavor)
+    ours = ["PHALANX_BACKEND", "PHALANX_JOB_DIR", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", *job.env]
+    if "PHALANX_TIMEOUT" in env:
+        ours.append("PHALANX_TIMEOUT")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # these would name the wrong rank
+        env.pop(name, None)
+    if job.log_dir is not None:
+        env["PHALANX_LOG_DIR"] = job.log_dir
+        ours.append("PHALANX_LOG_DIR")
+        for rank in range(job.n):
+            open(log_path(job.log_dir, rank), "wb").close()  # workers append; old runs' text must go
+    extra = openmpi_args(job, flavor, env, ours) if flavor.family == "openmpi" else []
+    return [mpiexec, "-n", str(job.n), *extra, *job.mpi_args, *worker_command(job.target)]
+
+
+def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) -> int:
+    """Run ``job`` under mpiexec until it ends; returns the exit status (a report on stderr if it failed)."""
+    cmd = mpi_command(job, env)
+    start = time.time()
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=child_setup(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    tails = (bytearray(), bytearray())
+    pumps = [pump(proc.stdout, [sys.stdout.buffer], tail=tails[0]),
+             pump(proc.stderr, [sys.stderr.buffer], tail=tails[1])]
+    follower = FileFollower(job.log_dir, job.n, job.echo).start() if job.log_dir is not None else None
+    watch = Watch(job_dir)
+    try:
+        _Supervisor(job, proc, job_dir, signals, watch).run()
+    finally:
+        watch.close()
+        for thread in pumps:
+            thread.join(timeout=5)
+        if follower is not None:
+            follower.stop()
+    if signals.received:
+        return signals.exit_code
+    if proc.returncode == 0:
+        return 0
+    return _report(Path(cmd[0]).name, proc.returncode, b"".join(tails).decode(errors="replace"),
+                   job_dir, watch, start)
+
+
+class _Supervisor:
+    """Watches mpiexec until it exits; ends the job itself when mpiexec does not."""
+
+    def __init__(self, job: Launch, proc: subprocess.Popen[bytes], job_dir: str, signals: Signals,
+                 watch: Watch) -> None:
+        self.job, self.proc, self.job_dir, self.signals, self.watch = job, proc, job_dir, signals, watch
+        self.forwarded = 0
+        self.terminate_at: float | None = None  # when to SIGTERM mpiexec ourselves
+        self.kill_at: float | None = None  # when to SIGKILL mpiexec and everything below it
+
+    def run(self) -> None:
+        while self.proc.poll() is None:
+            self.watch.wait(0.05)
+            self.step(time.monotonic())
+        if self.signals.received or self.proc.returncode != 0:
+            # mpiexec may exit while the ranks it killed are still going down: see them go (for the
+            # report), and make sure they do.
+            deadline = time.monotonic() + 1.0
+            self.watch.wait(0)
+            while self.watch.fds and time.monotonic() < deadline:
+                self.watch.wait(0.05)
+            _kill_stray_ranks(self.job_dir)
+
+    def step(self, now: float) -> None:
+        signals = self.signals
+        if signals.count > self.forwarded:
+            self.forwarded = signals.count
+            sig = signals.received or 15
+            if self.forwarded > 1:
+                self.kill_at = now  # a second Ctrl-C: no more waiting
+            elif _signal_local_ranks(self.job_dir, self.job.n, sig):
+                # Every rank runs here and got the signal itself: mpiexec is left alone, because Open MPI's
+                # kills the ranks a second after forwarding one, too soon for a checkpoint.
+                self.terminate_at = now + signals.stop_grace
+            else:  # ranks on other hosts: mpiexec passes SIGINT/SIGTERM on (Hydra, Open MPI)
+                _send(self.proc, sig)
+                self.kill_at = self.kill_at or now + signals.stop_grace
+        elif self.terminate_at is None and self.kill_at is None and any_record(self.job_dir):
+            self.terminate_at = now + ABORT_GRACE  # MPI_Abort normally ends the job long before this
+        if self.terminate_at is not None and now >= self.terminate_at and self.kill_at is None:
+            _send(self.proc, 15)
+            self.kill_at = now + GRACE
+        if self.kill_at is not None and now >= self.kill_at:
+            kill_pids([*descendants(self.proc.pid), self.proc.pid])
+
+
+def _report(name: str, code: int, output: str, job_dir: str, watch: Watch, start: float) -> int:
+    """Print the failure report; return the job's exit status (a killed first rank's as a shell shows it)."""
+    records = read_records(job_dir)
+    deaths = deaths_from(output, code, records, watch.dead)
+    first = first_failure(records, deaths)
+    status = f"{name} exited with {'code' if code > 0 else 'signal'} {abs(code)}"
+    listed = any(d.by_launcher for d in deaths.values())  # else the ranks ran where the launcher cannot see
+    sys.stderr.write(failure_report(first, start, records, deaths, stopper=f"{name} ({status})",
+                                    others="" if listed else f"stopped by {name}; {status}") + "\n")
+    sys.stderr.flush()
+    signalled = deaths[first].code if first in deaths and not deaths[first].by_launcher else None
+    if signalled is not None and signalled < 0:
+        return 128 - signalled  # as a shell reports it (Hydra exits with the bare signal number)
+    return code if code > 0 else 128 - code
+
+
+def _send(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _signal_local_ranks(job_dir: str, n: int, sig: int) -> bool:
+    """Send ``sig`` to every rank directly when all ``n`` run on this host; False (nothing sent) otherwise."""
+    ranks = pid_files(job_dir)
+    if len(ranks) != n or any(host != HOST for _, host in ranks.values()):
+        return False
+    for pid, _ in ranks.values():
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            continue
+    return True
+
+
+def _kill_stray_ranks(job_dir: str) -> None:
+    """Workers on this host that outlived mpiexec (it should never happen, but no orphans)."""
+    for pid, host in pid_files(job_dir).values():
+        if host != HOST:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"phalanx.launch._worker" in f.read():
+                    kill_pids([pid])
+        except OSError:
+            continue
