@@ -31,14 +31,20 @@ from ._collectives import (
 from ._data import DistributedDataContainer
 from ._errors import (
     BackendUnavailableError,
+    CheckpointError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    ImageReadError,
     InvalidArgumentError,
+    InvalidSettingError,
     LaunchEnvironmentError,
+    LaunchError,
     MissingDependencyError,
     NotInitializedError,
     PhalanxError,
     RankFailedError,
+    RendezvousError,
+    TrainingError,
     UnsupportedArgumentError,
     UsageError,
     WorldBrokenError,
@@ -58,22 +64,32 @@ from ._world import (
     shutdown,
     size,
 )
+from .comm import Backend, BackendName, Op
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Backend",
+    "BackendName",
     "BackendUnavailableError",
+    "CheckpointError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "DistributedDataContainer",
     "Handle",
+    "ImageReadError",
     "InvalidArgumentError",
+    "InvalidSettingError",
     "LaunchEnvironmentError",
+    "LaunchError",
     "MissingDependencyError",
     "NotInitializedError",
+    "Op",
     "PhalanxError",
     "RankFailedError",
     "RankFilter",
+    "RendezvousError",
+    "TrainingError",
     "UnsupportedArgumentError",
     "UsageError",
     "WorldBrokenError",

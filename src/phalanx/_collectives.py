@@ -18,11 +18,11 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from ._arrays import FLOAT_DTYPES, Buffer, UnsupportedArgumentError, as_buffer
-from ._errors import CollectiveMismatchError, PhalanxError
+from ._arrays import FLOAT_DTYPES, Buffer, as_buffer
+from ._errors import CollectiveMismatchError, InvalidArgumentError, UnsupportedArgumentError, UsageError
 from ._settings import settings
 from ._world import World, current
-from .comm._base import OPS, PeerLost, Request, WaitTimeout
+from .comm._base import OPS, Op, Request
 
 __all__ = [
     "Handle", "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
@@ -32,7 +32,9 @@ __all__ = [
 
 def _check_op(call: str, op: Any, buf: Buffer) -> str:
     if op not in OPS:
-        raise ValueError(f"phalanx.{call}: unknown op {op!r}; use one of {', '.join(map(repr, OPS))}.")
+        raise InvalidArgumentError(
+            f"phalanx.{call}(op={op!r}): unknown op; use one of {', '.join(map(repr, OPS))} "
+            "(e.g. op='avg' for the mean).")
     if op == "avg" and buf.dtype not in FLOAT_DTYPES:
         raise UnsupportedArgumentError(
             f"phalanx.{call}(op='avg') on {buf.dtype} data: an integer average would be truncated. "
@@ -48,10 +50,19 @@ def _check_op(call: str, op: Any, buf: Buffer) -> str:
 
 def _check_root(call: str, root: Any, world: World) -> int:
     if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < world.size:
-        raise ValueError(
-            f"phalanx.{call}: root={root!r} is not a rank of this world (ranks 0..{world.size - 1})."
+        raise InvalidArgumentError(
+            f"phalanx.{call}(root={root!r}): not a rank of this world; pass an int in "
+            f"0..{world.size - 1} (e.g. root=0), the same on every rank."
         )
     return root
+
+
+def _check_step(call: str, step: Any) -> int | None:
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        raise InvalidArgumentError(
+            f"phalanx.{call}(step={step!r}): the step label must be an int (e.g. the loop's step "
+            "counter) or None.")
+    return step
 
 
 def _check_chunks(call: str, buf: Buffer, world: World) -> None:
@@ -63,93 +74,154 @@ def _check_chunks(call: str, buf: Buffer, world: World) -> None:
 
 
 def _run(world: World, call: str, fn: Any, *args: Any) -> Any:
-    try:
+    with world.guard(call):
         return fn(*args, world.timeout)
-    except WaitTimeout:
-        raise world.timed_out(call) from None
-    except PeerLost as exc:
-        raise world.peer_lost(call, exc) from None
 
 
-def allreduce(x: Any, op: str = "sum") -> Any:
-    """Reduce ``x`` over all ranks with ``op``; every rank gets the result.
+def allreduce(x: Any, op: Op = "sum", *, step: int | None = None) -> Any:
+    """Reduce ``x`` over all ranks with ``op``; every rank gets the result (and ``x`` in place).
 
     >>> phalanx.allreduce(np.array([rank, 1.0]))   # on 3 ranks: array([3., 3.])
     >>> phalanx.allreduce(loss, op="avg")          # a float stays a float
+
+    Arguments:
+        x: a NumPy array, torch tensor (CPU or CUDA) or Python/NumPy scalar, the same
+            shape and dtype on every rank. Arrays and tensors are updated in place
+            (a read-only array gets a new one); scalars come back as new scalars.
+        op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"`` or ``"avg"`` (floats only; on
+            bool, ``"min"`` is logical and, ``"max"`` logical or).
+        step: an optional int label (e.g. the training step), the same on every rank.
+
+    Returns the reduced value, of ``x``'s type. Raises InvalidArgumentError (unknown
+    op), UnsupportedArgumentError (a type or dtype that cannot be sent),
+    CollectiveMismatchError (ranks passed different shapes, dtypes, ops or steps:
+    raised on every rank before anything is sent), CollectiveTimeoutError (a rank
+    never came, within the timeout), RankFailedError (a peer died or shut down).
     """
     world = current("allreduce")
     buf = as_buffer(x, "allreduce")
     if op != "sum" or buf.dtype == "bool":  # the common case skips the op checks
         _check_op("allreduce", op, buf)
-    world.enter("allreduce", buf, op)
-    try:
+    if step is not None:
+        _check_step("allreduce", step)
+    world.enter("allreduce", buf, op, -1, step)
+    with world.guard("allreduce"):
         result = world.backend.allreduce(buf.data, op, buf.inplace, world.timeout)
-    except WaitTimeout:
-        raise world.timed_out("allreduce") from None
-    except PeerLost as exc:
-        raise world.peer_lost("allreduce", exc) from None
     return result if buf.scalar is None else buf.finish(result)
 
 
-def broadcast(x: Any, root: int = 0) -> Any:
-    """Every rank gets ``root``'s ``x`` (same shape and dtype on every rank)."""
+def broadcast(x: Any, root: int = 0, *, step: int | None = None) -> Any:
+    """Every rank gets ``root``'s ``x``: arrays and tensors are overwritten in place.
+
+    Arguments: ``x`` (a NumPy array, tensor or scalar, the same shape and dtype on
+    every rank), ``root`` (the sending rank, the same on every rank), ``step`` (an
+    optional int label, the same on every rank).
+
+    Returns root's value, of ``x``'s type. Raises InvalidArgumentError (a root that
+    is not a rank), CollectiveMismatchError (ranks disagree on shape, dtype, root or
+    step), CollectiveTimeoutError, RankFailedError.
+    """
     world = current("broadcast")
     buf = as_buffer(x, "broadcast")
     _check_root("broadcast", root, world)
-    world.enter("broadcast", buf, None, root)
+    world.enter("broadcast", buf, None, root, _check_step("broadcast", step))
     return buf.finish(_run(world, "broadcast", world.backend.broadcast, buf.data, root, buf.inplace))
 
 
-def reduce(x: Any, op: str = "sum", root: int = 0) -> Any:
-    """Reduce ``x`` onto ``root``; other ranks get their own ``x`` back unchanged."""
+def reduce(x: Any, op: Op = "sum", root: int = 0, *, step: int | None = None) -> Any:
+    """Reduce ``x`` onto ``root`` with ``op``; other ranks get their own ``x`` back unchanged.
+
+    Arguments: ``x`` (array, tensor or scalar, alike on every rank), ``op``
+    (``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"avg"``), ``root`` (the receiving
+    rank), ``step`` (an optional int label, the same on every rank).
+
+    Returns the reduction on ``root``, ``x`` elsewhere. Raises as :func:`allreduce`,
+    and InvalidArgumentError for a root that is not a rank.
+    """
     world = current("reduce")
     buf = as_buffer(x, "reduce")
     _check_op("reduce", op, buf)
     _check_root("reduce", root, world)
-    world.enter("reduce", buf, op, root)
+    world.enter("reduce", buf, op, root, _check_step("reduce", step))
     return buf.finish(_run(world, "reduce", world.backend.reduce, buf.data, op, root, buf.inplace))
 
 
-def allgather(x: Any) -> Any:
-    """Every rank's ``x`` stacked on a new first axis: shape ``(size(), *x.shape)``."""
+def allgather(x: Any, *, step: int | None = None) -> Any:
+    """Every rank's ``x`` stacked on a new first axis: shape ``(size(), *x.shape)``, in rank order.
+
+    Arguments: ``x`` (array, tensor or scalar, the same shape and dtype on every
+    rank; not modified), ``step`` (an optional int label, the same on every rank).
+
+    Returns a new array or tensor like ``x``. Raises UnsupportedArgumentError,
+    CollectiveMismatchError, CollectiveTimeoutError, RankFailedError.
+    """
     world = current("allgather")
     buf = as_buffer(x, "allgather")
-    world.enter("allgather", buf)
+    world.enter("allgather", buf, None, -1, _check_step("allgather", step))
     return _run(world, "allgather", world.backend.allgather, buf.data)
 
 
-def gather(x: Any, root: int = 0) -> Any:
-    """Like :func:`allgather` but only ``root`` gets the stack; other ranks get ``None``."""
+def gather(x: Any, root: int = 0, *, step: int | None = None) -> Any:
+    """Every rank's ``x`` stacked on a new first axis, on ``root`` only; other ranks get ``None``.
+
+    Arguments: ``x`` (array, tensor or scalar, alike on every rank), ``root`` (the
+    receiving rank), ``step`` (an optional int label, the same on every rank).
+
+    Returns the ``(size(), *x.shape)`` stack on ``root``, else None. Raises as
+    :func:`allgather`, and InvalidArgumentError for a root that is not a rank.
+    """
     world = current("gather")
     buf = as_buffer(x, "gather")
     _check_root("gather", root, world)
-    world.enter("gather", buf, None, root)
+    world.enter("gather", buf, None, root, _check_step("gather", step))
     return _run(world, "gather", world.backend.gather, buf.data, root)
 
 
-def reduce_scatter(x: Any, op: str = "sum") -> Any:
-    """Reduce ``x`` (first axis ``size()*k``) and give rank ``i`` chunk ``i`` (first axis ``k``)."""
+def reduce_scatter(x: Any, op: Op = "sum", *, step: int | None = None) -> Any:
+    """Reduce ``x`` with ``op`` and give rank ``i`` chunk ``i`` of the result's first axis.
+
+    Arguments: ``x`` (array or tensor whose first axis is ``size() * k``, alike on
+    every rank; not modified), ``op`` (as for :func:`allreduce`), ``step`` (an
+    optional int label).
+
+    Returns a new array or tensor with first axis ``k``. Raises as :func:`allreduce`,
+    and UnsupportedArgumentError when the first axis does not split into ``size()``
+    equal chunks.
+    """
     world = current("reduce_scatter")
     buf = as_buffer(x, "reduce_scatter")
     _check_op("reduce_scatter", op, buf)
     _check_chunks("reduce_scatter", buf, world)
-    world.enter("reduce_scatter", buf, op)
+    world.enter("reduce_scatter", buf, op, -1, _check_step("reduce_scatter", step))
     return _run(world, "reduce_scatter", world.backend.reduce_scatter, buf.data, op)
 
 
-def alltoall(x: Any) -> Any:
-    """Send chunk ``j`` of ``x``'s first axis to rank ``j``; the result's chunk ``j`` came from rank ``j``."""
+def alltoall(x: Any, *, step: int | None = None) -> Any:
+    """Send chunk ``j`` of ``x``'s first axis to rank ``j``; the result's chunk ``j`` came from rank ``j``.
+
+    Arguments: ``x`` (array or tensor whose first axis splits into ``size()`` equal
+    chunks, alike on every rank; not modified), ``step`` (an optional int label).
+
+    Returns a new array or tensor of ``x``'s shape. Raises UnsupportedArgumentError
+    (chunks do not split), CollectiveMismatchError, CollectiveTimeoutError,
+    RankFailedError.
+    """
     world = current("alltoall")
     buf = as_buffer(x, "alltoall")
     _check_chunks("alltoall", buf, world)
-    world.enter("alltoall", buf)
+    world.enter("alltoall", buf, None, -1, _check_step("alltoall", step))
     return _run(world, "alltoall", world.backend.alltoall, buf.data)
 
 
-def barrier() -> None:
-    """Wait until every rank has called ``barrier()`` (bounded by the timeout)."""
+def barrier(*, step: int | None = None) -> None:
+    """Wait until every rank has called ``barrier()``, bounded by the timeout.
+
+    ``step``: an optional int label, the same on every rank. Raises
+    CollectiveMismatchError (a rank is in another collective or step),
+    CollectiveTimeoutError (naming the ranks that never came), RankFailedError.
+    """
     world = current("barrier")
-    world.enter("barrier", None)
+    world.enter("barrier", None, None, -1, _check_step("barrier", step))
     _run(world, "barrier", world.backend.barrier)
 
 
@@ -189,24 +261,19 @@ class Handle:
         assert self._agreement is not None  # internal invariant, not user input
         while world.pending and world.pending[0] is not self:
             world.pending[0].post(block=True)  # earlier calls go first, on every rank
-        try:
+        with world.guard(self._call):
             if not block and not self._agreement.test():
                 return False
             same = self._agreement.wait(world.timeout)
             world.pending.popleft()
             if not same:
+                start = self._start
                 try:
-                    world.explain_mismatch(self._call, self._buf, self._start.op, self._start.root)
+                    world.explain_mismatch(self._call, self._buf, start.op, start.root, start.step)
                 except CollectiveMismatchError as exc:
                     self._error = exc
                     raise
             self._request = self._start()
-        except WaitTimeout:
-            world.pending.clear()
-            raise world.timed_out(self._call) from None
-        except PeerLost as exc:
-            world.pending.clear()
-            raise world.peer_lost(self._call, exc) from None
         return True
 
     def test(self) -> bool:
@@ -223,58 +290,65 @@ class Handle:
         if not self._done:
             self.post(block=True)
             assert self._request is not None
-            try:
+            with self._world.guard(self._call):
                 self._result = self._buf.finish(self._request.wait(self._world.timeout))
-            except WaitTimeout:
-                raise self._world.timed_out(self._call) from None
-            except PeerLost as exc:
-                raise self._world.peer_lost(self._call, exc) from None
             self._done = True
         return self._result
 
 
 class _Start:
-    """The deferred data phase of a non-blocking call (keeps op/root for error messages)."""
+    """The deferred data phase of a non-blocking call (keeps op/root/step for error messages)."""
 
-    __slots__ = ("fn", "args", "op", "root")
+    __slots__ = ("fn", "args", "op", "root", "step")
 
-    def __init__(self, fn: Any, args: tuple[Any, ...], op: str | None, root: int) -> None:
-        self.fn, self.args, self.op, self.root = fn, args, op, root
+    def __init__(self, fn: Any, args: tuple[Any, ...], op: str | None, root: int,
+                 step: int | None) -> None:
+        self.fn, self.args, self.op, self.root, self.step = fn, args, op, root, step
 
     def __call__(self) -> Request:
         return self.fn(*self.args)
 
 
-def iallreduce(x: Any, op: str = "sum") -> Handle:
-    """Start :func:`allreduce`; ``handle.wait()`` returns the result (``x`` is updated in place)."""
+def iallreduce(x: Any, op: Op = "sum", *, step: int | None = None) -> Handle:
+    """Start :func:`allreduce` without waiting: ``handle.wait()`` returns the result.
+
+    Arguments as for :func:`allreduce` (``x`` is updated in place once done). Handles
+    complete in the order they were started, on every rank; a blocking collective
+    made meanwhile posts the earlier handles first. Returns a :class:`Handle`;
+    argument errors raise here, mismatches and timeouts from ``wait()``/``test()``.
+    """
     world = current("iallreduce")
     buf = as_buffer(x, "iallreduce")
     _check_op("iallreduce", op, buf)
-    start = _Start(world.backend.iallreduce, (buf.data, op, buf.inplace), op, -1)
+    start = _Start(world.backend.iallreduce, (buf.data, op, buf.inplace), op, -1,
+                   _check_step("iallreduce", step))
     return _start_handle(world, "iallreduce", buf, start)
 
 
-def ibroadcast(x: Any, root: int = 0) -> Handle:
-    """Start :func:`broadcast`; ``handle.wait()`` returns root's value."""
+def ibroadcast(x: Any, root: int = 0, *, step: int | None = None) -> Handle:
+    """Start :func:`broadcast` without waiting: ``handle.wait()`` returns root's value.
+
+    Arguments as for :func:`broadcast` (``x`` is overwritten in place once done).
+    Returns a :class:`Handle`; argument errors raise here, mismatches and timeouts
+    from ``wait()``/``test()``.
+    """
     world = current("ibroadcast")
     buf = as_buffer(x, "ibroadcast")
     _check_root("ibroadcast", root, world)
-    start = _Start(world.backend.ibroadcast, (buf.data, root, buf.inplace), None, root)
+    start = _Start(world.backend.ibroadcast, (buf.data, root, buf.inplace), None, root,
+                   _check_step("ibroadcast", step))
     return _start_handle(world, "ibroadcast", buf, start)
 
 
 def _start_handle(world: World, call: str, buf: Buffer, start: _Start) -> Handle:
     # Like World.enter, but the agreement is posted without waiting for it.
     if world.broken is not None or not world.check:
-        world.enter(call, buf, start.op, start.root)  # raises if broken; no agreement needed
+        world.enter(call, buf, start.op, start.root, start.step)  # raises if broken; no agreement
         return Handle(world, call, buf, start, None)
-    if world.pending:
-        world.flush(call)
+    world.ready(call)
     world.calls += 1
-    try:
-        agreement = world.backend.iagree(world.signature(call, buf, start.op, start.root))
-    except PeerLost as exc:
-        raise world.peer_lost(call, exc) from None
+    with world.guard(call):
+        agreement = world.backend.iagree(world.signature(call, buf, start.op, start.root, start.step))
     return Handle(world, call, buf, start, agreement)
 
 
@@ -282,7 +356,7 @@ def _start_handle(world: World, call: str, buf: Buffer, start: _Start) -> Handle
 
 def _require_pickle(call: str, allow_pickle: bool) -> None:
     if not (allow_pickle or settings.allow_pickle):
-        raise PhalanxError(
+        raise UsageError(
             f"phalanx.{call} unpickles data sent by other ranks, which can run arbitrary code if a "
             "peer is not trusted. Opt in with `allow_pickle=True` (or PHALANX_ALLOW_PICKLE=1); for "
             "arrays and scalars use the array collectives, which never unpickle."
@@ -290,7 +364,16 @@ def _require_pickle(call: str, allow_pickle: bool) -> None:
 
 
 def broadcast_object(obj: Any, root: int = 0, *, allow_pickle: bool = False) -> Any:
-    """Root's picklable ``obj`` on every rank. Opt-in: unpickles peer data."""
+    """Root's picklable ``obj`` on every rank (a copy made by unpickling, off the root).
+
+    Arguments: ``obj`` (any picklable object; only root's is used), ``root`` (the
+    sending rank), ``allow_pickle`` (must be True, or ``PHALANX_ALLOW_PICKLE=1``:
+    unpickling what a peer sent can run code, so this is opt-in; arrays and
+    scalars need no pickle, use :func:`broadcast`).
+
+    Returns root's object. Raises UsageError without the opt-in,
+    InvalidArgumentError for a bad root, CollectiveTimeoutError, RankFailedError.
+    """
     _require_pickle("broadcast_object", allow_pickle)
     world = current("broadcast_object")
     _check_root("broadcast_object", root, world)
@@ -301,7 +384,15 @@ def broadcast_object(obj: Any, root: int = 0, *, allow_pickle: bool = False) -> 
 
 
 def allgather_object(obj: Any, *, allow_pickle: bool = False) -> list[Any]:
-    """Every rank's picklable ``obj``, as a list in rank order. Opt-in: unpickles peer data."""
+    """Every rank's picklable ``obj``, as a list in rank order.
+
+    Arguments: ``obj`` (any picklable object, may differ in size between ranks),
+    ``allow_pickle`` (must be True, or ``PHALANX_ALLOW_PICKLE=1``: unpickling what a
+    peer sent can run code, so this is opt-in).
+
+    Returns a list of ``size()`` objects. Raises UsageError without the opt-in,
+    CollectiveTimeoutError, RankFailedError.
+    """
     _require_pickle("allgather_object", allow_pickle)
     world = current("allgather_object")
     world.enter("allgather_object", None)

@@ -69,12 +69,14 @@ def resolve_rank_size(call: str, rank: int | None, size: int | None) -> tuple[in
         world = current(call)
         rank = world.rank if rank is None else rank
         size = world.size if size is None else size
+    bad = UnsupportedArgumentError(f"phalanx.{call}: rank={rank!r} and size={size!r} must be ints, e.g. "
+                                   "rank=0, size=2 (or leave them out for the world's).")
+    if isinstance(rank, bool) or isinstance(size, bool):
+        raise bad
     try:
-        if isinstance(rank, bool) or isinstance(size, bool):
-            raise TypeError
         rank, size = operator.index(rank), operator.index(size)
     except TypeError:
-        raise UnsupportedArgumentError(f"phalanx.{call}: rank={rank!r} and size={size!r} must be ints") from None
+        raise bad from None
     if size < 1 or not 0 <= rank < size:
         raise InvalidArgumentError(f"phalanx.{call}: rank={rank}, size={size} is not a rank of a "
                                    "world (need size >= 1 and 0 <= rank < size).")
@@ -124,17 +126,32 @@ class _Columns:
 
 
 class DistributedDataContainer(Sequence[Any]):
-    """This rank's contiguous part of ``data`` (see the module docstring for ``remainder``).
+    """This rank's contiguous part of ``data``, as a read-only sequence; rank 0 holds the first part.
 
-    ``data``: anything with ``len()`` and integer indexing (a list, a NumPy
-    array, a torch ``Dataset``), or a tuple/dict of equally long arrays, which
-    is split by sample (``container[i]`` is then a tuple/dict of rows; a list
-    is always a list of samples). ``rank``/``size`` default to
-    ``phalanx.rank()``/``phalanx.size()``.
+    ::
 
-    ``len()``, indexing (negative too; a slice gives a list), iteration, and
-    ``.indices`` (positions in ``data``: a ``range``, or a ``list`` when
-    ``pad`` wraps around).
+        train = phalanx.DistributedDataContainer(train_set)                 # remainder="pad"
+        x, y = phalanx.DistributedDataContainer((X, Y))[0]                  # split by sample
+        val = phalanx.DistributedDataContainer(val_set, remainder="exact")
+
+    Arguments:
+        data: anything with ``len()`` and integer indexing (a list, a NumPy array, a
+            torch ``Dataset``), or a tuple/dict of equally long arrays, which is split
+            by sample (``container[i]`` is then a tuple/dict of rows).
+        remainder: what happens when ``size`` does not divide the N samples (never an
+            error, even for N < size): ``"pad"`` (training; every rank gets
+            ceil(N/size) samples, the last parts repeat samples from the start),
+            ``"drop"`` (training; floor(N/size) each, the last N mod size unused) or
+            ``"exact"`` (evaluation; every sample once, part sizes differ by at most
+            one, so make no collective per batch: reduce sums and counts at the end).
+        rank, size: default to ``phalanx.rank()``/``phalanx.size()``.
+
+    Supports ``len()``, indexing (negative too; a slice gives a list), iteration, and
+    ``.indices`` (positions in ``data``: a ``range``, or a ``list`` when ``pad``
+    wraps around). Raises InvalidArgumentError (unknown remainder, columns of
+    different lengths, rank/size out of range), UnsupportedArgumentError (data
+    without ``len()``, non-int rank/size or index), NotInitializedError (rank/size
+    left out before ``phalanx.init()``).
     """
 
     def __init__(self, data: Any, *, remainder: str = "pad", rank: int | None = None,
@@ -166,8 +183,8 @@ class DistributedDataContainer(Sequence[Any]):
         try:
             k = operator.index(i)
         except TypeError:
-            raise TypeError(f"phalanx.DistributedDataContainer indices must be integers or slices, "
-                            f"not {type(i).__name__}") from None
+            raise UnsupportedArgumentError(f"phalanx.DistributedDataContainer[{i!r}]: indices must be "
+                                           f"integers or slices, not {type(i).__name__}.") from None
         n = len(self._indices)
         if not -n <= k < n:
             raise IndexError(f"phalanx.DistributedDataContainer index {k} is out of range: rank "

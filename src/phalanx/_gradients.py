@@ -40,7 +40,33 @@ __all__ = ["allreduce_gradients"]
 
 
 def allreduce_gradients(model_or_grads: Any, op: str = "avg") -> Any:
-    """Reduce gradients across ranks in place and return what was passed (module docstring)."""
+    """Average (or sum) gradients across ranks in place, and return what was passed.
+
+    ::
+
+        loss.backward()
+        phalanx.allreduce_gradients(model)              # every p.grad: the mean over ranks
+        opt.step()
+        grads = phalanx.allreduce_gradients([gw, gb])   # NumPy arrays or tensors, in place
+
+    Arguments:
+        model_or_grads: a ``torch.nn.Module`` (the gradients of its trainable
+            parameters: a parameter without a gradient on this rank contributes
+            zeros and gets the reduced gradient if any rank had one), or a list or
+            dict of NumPy arrays / torch tensors (writable, reduced in place). Every
+            rank must pass the same structure, shapes and dtypes.
+        op: ``"avg"`` (default: the mean over ranks) or ``"sum"``.
+
+    One fused allreduce per dtype and device. This is the simple, blocking form;
+    ``phalanx.torch.DistributedOptimizer`` and ``DataParallel`` overlap the
+    reduction with backward.
+
+    Returns the module, the list, or the dict that was passed. Raises
+    InvalidArgumentError (another op), UnsupportedArgumentError (a single array,
+    a read-only array, or a leaf that is not an array or tensor), and what
+    :func:`phalanx.allreduce` raises (CollectiveMismatchError when ranks pass
+    different structures, CollectiveTimeoutError, RankFailedError).
+    """
     if op not in ("avg", "sum"):
         raise InvalidArgumentError(f"phalanx.allreduce_gradients(op={op!r}): use op='avg' (the mean over "
                                    "ranks, the default) or op='sum'.")

@@ -12,6 +12,9 @@ variable                   field                    meaning
 ``PHALANX_GPU_AWARE_MPI``  ``gpu_aware_mpi``        ``0``/``1`` overrides detection
 ``PHALANX_ALLOW_PICKLE``   ``allow_pickle``         ``1`` enables object collectives
 =========================  =======================  ======================================
+
+A value that is not a valid number or flag raises :class:`InvalidSettingError`
+naming the variable (a typo never silently means "on" or "off").
 """
 
 from __future__ import annotations
@@ -19,38 +22,64 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["Settings", "settings"]
+from ._errors import InvalidSettingError
+
+__all__ = ["Settings", "env_flag", "env_float", "settings"]
 
 DEFAULT_TIMEOUT = 300.0
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
-def _env_flag(name: str, default: bool | None) -> bool | None:
+def env_flag(name: str, default: bool | None) -> bool | None:
+    """The flag in environment variable ``name`` (1/0, true/false, yes/no, on/off), else ``default``."""
     value = os.environ.get(name)
     if value is None or value.strip() == "":
         return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
+    word = value.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise InvalidSettingError(f"{name}={value!r} is not a flag: set {name}=1 (on) or {name}=0 (off), "
+                              "or unset it for the default.")
 
 
-def _env_float(name: str, default: float) -> float:
+def env_float(name: str, default: float, *, minimum: float = 0.0, inclusive: bool = False) -> float:
+    """The number of seconds in environment variable ``name`` (above ``minimum``), else ``default``."""
     value = os.environ.get(name)
     if value is None or value.strip() == "":
         return default
     try:
         seconds = float(value)
     except ValueError:
-        raise ValueError(f"{name}={value!r} is not a number of seconds, e.g. {name}=60") from None
-    if seconds <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive number of seconds")
+        raise InvalidSettingError(f"{name}={value!r} is not a number of seconds: set e.g. {name}=60, "
+                                  "or unset it for the default.") from None
+    if seconds != seconds or seconds < minimum or (seconds == minimum and not inclusive):
+        bound = f"at least {minimum:g}" if inclusive else f"more than {minimum:g}"
+        raise InvalidSettingError(f"{name}={value!r}: the number of seconds must be {bound}, e.g. "
+                                  f"{name}=60, or unset it for the default.")
     return seconds
 
 
 @dataclass
 class Settings:
-    timeout: float = field(default_factory=lambda: _env_float("PHALANX_TIMEOUT", DEFAULT_TIMEOUT))
-    check: bool = field(default_factory=lambda: bool(_env_flag("PHALANX_CHECK", True)))
-    debug: bool = field(default_factory=lambda: bool(_env_flag("PHALANX_DEBUG", False)))
-    gpu_aware_mpi: bool | None = field(default_factory=lambda: _env_flag("PHALANX_GPU_AWARE_MPI", None))
-    allow_pickle: bool = field(default_factory=lambda: bool(_env_flag("PHALANX_ALLOW_PICKLE", False)))
+    """phalanx's settings: each field's default comes from its ``PHALANX_*`` variable.
+
+    Fields: ``timeout`` (seconds a blocking collective may wait, ``PHALANX_TIMEOUT``,
+    default 300), ``check`` (agree on every collective's buffer across ranks,
+    ``PHALANX_CHECK``, default on), ``debug`` (also fingerprint the call site,
+    ``PHALANX_DEBUG``), ``gpu_aware_mpi`` (pass CUDA memory to MPI directly;
+    ``None`` asks the MPI library, ``PHALANX_GPU_AWARE_MPI``), ``allow_pickle``
+    (enable the object collectives, ``PHALANX_ALLOW_PICKLE``). Change a field in
+    code before :func:`phalanx.init` to override the environment.
+    """
+
+    timeout: float = field(default_factory=lambda: env_float("PHALANX_TIMEOUT", DEFAULT_TIMEOUT))
+    check: bool = field(default_factory=lambda: bool(env_flag("PHALANX_CHECK", True)))
+    debug: bool = field(default_factory=lambda: bool(env_flag("PHALANX_DEBUG", False)))
+    gpu_aware_mpi: bool | None = field(default_factory=lambda: env_flag("PHALANX_GPU_AWARE_MPI", None))
+    allow_pickle: bool = field(default_factory=lambda: bool(env_flag("PHALANX_ALLOW_PICKLE", False)))
 
 
 settings = Settings()

@@ -72,7 +72,8 @@ def unflatten(spec: TreeSpec | None, values: list[Any]) -> Any:
     it = iter(values)
     out = _build(spec, it)
     if next(it, _END) is not _END:
-        raise ValueError(f"unflatten: got {len(values)} values, more than the structure has leaves")
+        raise InvalidArgumentError(f"phalanx unflatten: got {len(values)} values, more than the structure "
+                                   "has leaves; pass one value per leaf of flatten()'s list.")
     return out
 
 
@@ -103,7 +104,8 @@ def _build(spec: TreeSpec | None, it: Iterator[Any]) -> Any:
     if spec is None:
         value = next(it, _END)
         if value is _END:
-            raise ValueError("unflatten: fewer values than leaves")
+            raise InvalidArgumentError("phalanx unflatten: fewer values than leaves; pass one value per "
+                                       "leaf of flatten()'s list.")
         return value
     return spec.rebuild([_build(child, it) for child in spec.children])
 

@@ -6,50 +6,79 @@ raises :class:`NotInitializedError` before ``init()``.
 
 Every user-facing collective first calls :meth:`World.enter`, which agrees on
 a fingerprint of the call across ranks: ``(collective, op, root, dtype, shape)``
-(plus the caller's file and line in debug mode). One tiny allreduce, polled
-with a deadline, so that
+(plus the caller's step label when given, and its file and line in debug
+mode). One tiny allreduce, polled with a deadline, so that
 
-* a different shape/dtype/op/root/collective on some rank is a
+* a different shape/dtype/op/root/collective/step on some rank is a
   :class:`CollectiveMismatchError` on every rank *before* data moves;
-* a rank that never arrives is a :class:`CollectiveTimeoutError` naming it.
+* a rank that never arrives is a :class:`CollectiveTimeoutError` naming it;
+* a rank that calls :func:`shutdown` while its peers wait in a collective is a
+  :class:`RankFailedError` on those peers, at once (shutdown agrees too).
 """
 
 from __future__ import annotations
 
-import json
 import sys
+import warnings
 import zlib
 from collections import deque
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from ._agreement import mismatch_error, timeout_error, where
 from ._arrays import Buffer
+from ._devices import rank_device
 from ._errors import (
     BackendUnavailableError,
-    CollectiveMismatchError,
     CollectiveTimeoutError,
+    InvalidArgumentError,
     NotInitializedError,
     PhalanxError,
     RankFailedError,
+    UsageError,
     WorldBrokenError,
 )
+from ._failure import install_abort_hook, mark_rank
 from ._settings import settings
 from .comm._base import OPS, Backend, PeerLost, WaitTimeout
-from .comm._detect import BACKENDS, detect_backend
+from .comm._detect import BACKENDS, BackendName, detect_backend
 
 if TYPE_CHECKING:
     from ._collectives import Handle
 
 __all__ = [
-    "World", "backend", "current", "device", "init", "initialized", "local_rank", "local_size",
-    "rank", "shutdown", "size",
+    "World", "backend", "current", "current_or_none", "device", "init", "initialized", "local_rank",
+    "local_size", "rank", "shutdown", "size", "swap",
 ]
 
 # Collective codes in fingerprints (and names in messages).
 CALLS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "reduce_scatter", "alltoall",
-         "barrier", "iallreduce", "ibroadcast", "broadcast_object", "allgather_object")
+         "barrier", "iallreduce", "ibroadcast", "broadcast_object", "allgather_object", "shutdown")
 CALL_CODES = {name: i for i, name in enumerate(CALLS)}
 OP_CODES = {name: i for i, name in enumerate(OPS)}
 _MASK = (1 << 62) - 1
+
+
+class _Guard:
+    """``with world.guard(call):`` turns a backend's WaitTimeout/PeerLost into phalanx errors."""
+
+    __slots__ = ("world", "call")
+
+    def __init__(self, world: World, call: str) -> None:
+        self.world, self.call = world, call
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        if kind is None:
+            return False
+        if issubclass(kind, WaitTimeout):
+            raise self.world.timed_out(self.call) from None
+        if issubclass(kind, PeerLost):
+            raise self.world.peer_lost(self.call, exc) from None  # type: ignore[arg-type]
+        return False
 
 
 class World:
@@ -68,45 +97,54 @@ class World:
         self.broken: str | None = None
         self.pending: deque[Handle] = deque()
 
-    # -- the agreement ------------------------------------------------------
-    def enter(self, call: str, buf: Buffer | None, op: str | None = None, root: int = -1) -> None:
-        """Start collective ``call``: flush pending handles, then agree on the fingerprint."""
+    def guard(self, call: str) -> _Guard:
+        """A context in which the backend's timeouts and lost peers become phalanx errors for ``call``."""
+        return _Guard(self, call)
+
+    def ready(self, call: str) -> None:
+        """Raise if the world is broken; post every pending non-blocking call (MPI matches by order)."""
         if self.broken is not None:
             raise WorldBrokenError(
                 f"phalanx.{call}: the world is unusable after an earlier failure ({self.broken}). "
-                "Let the exception end the job (the launcher stops every rank) and restart from a checkpoint."
-            )
+                "Let the exception end the job (the launcher stops every rank) and restart from a "
+                "checkpoint.")
         if self.pending:
             self.flush(call)
+
+    # -- the agreement ------------------------------------------------------
+    def enter(self, call: str, buf: Buffer | None, op: str | None = None, root: int = -1,
+              step: int | None = None) -> None:
+        """Start collective ``call``: flush pending handles, then agree on the fingerprint."""
+        if self.broken is not None or self.pending:
+            self.ready(call)
         self.calls += 1
         if not self.check:
             return
-        if buf is None or self.debug:
-            signature = self.signature(call, buf, op, root)
+        if buf is None or self.debug or step is not None:
+            signature = self.signature(call, buf, op, root, step)
         else:  # signature() inlined: this is every checked call's hot path
             signature = hash((CALL_CODES[call], OP_CODES[op] if op else -1, root, buf.code,
                               buf.shape)) & _MASK
-        try:
+        with _Guard(self, call):
             same = self.backend.agree(signature, self.timeout)
-        except WaitTimeout:
-            raise self.timed_out(call) from None
-        except PeerLost as exc:
-            raise self.peer_lost(call, exc) from None
         if not same:
-            self.explain_mismatch(call, buf, op, root)
+            self.explain_mismatch(call, buf, op, root, step)
 
-    def signature(self, call: str, buf: Buffer | None, op: str | None, root: int) -> int:
+    def signature(self, call: str, buf: Buffer | None, op: str | None, root: int,
+                  step: int | None = None) -> int:
         # Codes, not names: str hashes are salted per process, ints and tuples of ints are not.
-        if buf is None:
-            key: tuple[Any, ...] = (CALL_CODES[call], OP_CODES[op] if op else -1, root)
-        else:
-            key = (CALL_CODES[call], OP_CODES[op] if op else -1, root, buf.code, buf.shape)
+        key: tuple[Any, ...] = (CALL_CODES[call], OP_CODES[op] if op else -1, root)
+        if buf is not None:
+            key += (buf.code, buf.shape)
+        if step is not None:
+            key += (None, step)  # None: a step can never look like a buffer's fields
         signature = hash(key)
         if self.debug:
             signature ^= zlib.crc32(_call_site().encode()) << 20
         return signature & _MASK
 
-    def describe(self, call: str, buf: Buffer | None, op: str | None, root: int) -> dict[str, Any]:
+    def describe(self, call: str, buf: Buffer | None, op: str | None, root: int,
+                 step: int | None = None) -> dict[str, Any]:
         entry: dict[str, Any] = {"call": call, "index": self.calls}
         if buf is not None:
             entry["buffer"] = buf.describe()
@@ -114,76 +152,51 @@ class World:
             entry["op"] = op
         if root >= 0:
             entry["root"] = root
+        if step is not None:
+            entry["step"] = step
         if self.debug:
             entry["site"] = _call_site()
         return entry
 
-    def explain_mismatch(self, call: str, buf: Buffer | None, op: str | None, root: int) -> None:
+    def explain_mismatch(self, call: str, buf: Buffer | None, op: str | None, root: int,
+                         step: int | None = None) -> None:
         """Every rank reached here together: exchange descriptions and raise the same error."""
-        entries = self.allgather_json(call, self.describe(call, buf, op, root))
-        lines = []
-        for r, e in enumerate(entries):
-            args = ", ".join(f"{k}={e[k]!r}" if k != "buffer" else e[k]
-                             for k in ("buffer", "op", "root") if k in e)
-            site = f" at {e['site']}" if "site" in e else ""
-            lines.append(f"  rank {r}: {e['call']}({args}) [call #{e['index']}]{site}")
-        field = next(k for k in ("call", "buffer", "op", "root", "site", "index")
-                     if len({json.dumps(e.get(k)) for e in entries}) > 1)
-        hint = {
-            "call": "Ranks made different collective calls: every rank must make the same collective "
-                    "calls in the same order. A rank that skips a call (e.g. inside `if rank == 0:`) "
-                    "pairs its next call with the others' current one.",
-            "buffer": "Every rank must pass a buffer of the same shape and dtype. Pad or cast on the "
-                      "ranks that differ (e.g. `x.astype(np.float32)`), or use allgather_object for "
-                      "ragged data.",
-            "op": "Every rank must pass the same `op`.",
-            "root": "Every rank must pass the same `root`.",
-            "site": "Ranks reached this collective from different lines of code (debug mode): the "
-                    "calls are out of order on some rank.",
-            "index": "Ranks have made a different number of collective calls so far.",
-        }[field]
-        raise CollectiveMismatchError(
-            f"phalanx.{call}: the ranks' calls do not match ({field} differs), so nothing was sent:\n"
-            + "\n".join(lines) + f"\n{hint}"
-        )
+        entries = self.allgather_json(call, self.describe(call, buf, op, root, step))
+        error = mismatch_error(call, self.rank, entries)
+        if isinstance(error, RankFailedError):
+            self.broken = f"a peer called shutdown() during {call}"
+            self.pending.clear()
+        raise error
 
     def allgather_json(self, call: str, value: Any) -> list[Any]:
         """Every rank's JSON-able ``value``, in rank order: how ranks explain a mismatch to each
         other (JSON, never pickle, so nothing a peer sends can run code here)."""
-        try:
+        import json
+
+        with _Guard(self, call):
             parts = self.backend.allgather_bytes(json.dumps(value).encode(), self.timeout)
-        except WaitTimeout:
-            raise self.timed_out(call) from None
-        except PeerLost as exc:
-            raise self.peer_lost(call, exc) from None
         return [json.loads(p) for p in parts]
+
+    def leave(self) -> list[dict[str, Any]] | None:
+        """Agree on ``shutdown`` with the peers: None when every rank is shutting down, else every
+        rank's description (the peers then raise RankFailedError naming this rank)."""
+        self.calls += 1
+        with _Guard(self, "shutdown"):
+            # Not signature(): in debug mode that adds the call site, and ranks may shut down anywhere.
+            if self.backend.agree(hash((CALL_CODES["shutdown"], -1, -1)) & _MASK, self.timeout):
+                return None
+        return self.allgather_json("shutdown", self.describe("shutdown", None, None, -1))
 
     # -- failures -------------------------------------------------------------
     def timed_out(self, call: str) -> CollectiveTimeoutError:
-        """Diagnose which ranks are missing, mark the world broken, build the error."""
-        grace = min(2.0, max(0.5, self.timeout / 4))
-        try:
-            missing, elsewhere = self.backend.diagnose(call, self.calls, grace)
-        except Exception as exc:  # noqa: BLE001 - diagnosis is best effort
-            missing, elsewhere = [], {}
-            diag_note = f" (could not ask the peers: {exc})"
-        else:
-            diag_note = ""
-        parts = [f"phalanx.{call} (call #{self.calls} on rank {self.rank}) timed out after "
-                 f"{self.timeout:g} s waiting for the other ranks{diag_note}."]
-        if missing:
-            parts.append(f"Ranks that never reached a phalanx call: {missing} (stuck computing, "
-                         "waiting in non-phalanx code, or finished early).")
-        for r, where in sorted(elsewhere.items()):
-            parts.append(f"Rank {r} is waiting in {where} instead.")
-        parts.append("Every rank must make the same collective calls in the same order. If the wait "
-                     "is legitimate (e.g. rank 0 evaluates alone), raise the limit with "
-                     "`phalanx.init(timeout=...)` or PHALANX_TIMEOUT. This world cannot be used "
-                     "after a timeout.")
+        """Diagnose which ranks are missing (bounded), mark the world broken, build the error."""
+        self.pending.clear()
+        error = timeout_error(self.backend, call, self.calls, self.timeout)
         self.broken = f"{call} timed out"
-        return CollectiveTimeoutError(" ".join(parts), missing_ranks=missing, elsewhere=elsewhere)
+        return error
 
     def peer_lost(self, call: str, exc: BaseException) -> RankFailedError:
+        self.pending.clear()
         self.broken = f"a peer was lost during {call}"
         return RankFailedError(
             f"phalanx.{call}: a peer rank died or closed its connection ({exc}). The failing rank's "
@@ -235,40 +248,56 @@ def current(what: str) -> World:
     return world
 
 
-def init(backend: str = "auto", *, devices: list[Any] | None = None, timeout: float | None = None,
+def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, timeout: float | None = None,
          gpu_aware_mpi: bool | None = None, check: bool | None = None,
          debug: bool | None = None) -> Backend:
-    """Start phalanx in this process and return the backend. Idempotent.
+    """Start phalanx in this process and return the backend; calling it again returns the same one.
 
-    ``backend``: ``"auto"`` (what the launcher started: ``phalanx run``/mpiexec/srun/torchrun,
-    else a world of one), ``"local"``, ``"mpi"``, ``"gloo"`` or ``"nccl"``.
-    ``devices``: GPUs for the ranks of a node, indexed by local rank (default:
-    ``local_rank % device_count``). ``timeout``: seconds any collective may wait
-    (default ``PHALANX_TIMEOUT`` or 300). ``gpu_aware_mpi``: pass CUDA memory to
-    MPI directly (default: ask the MPI library). ``check``/``debug``: see
-    :mod:`phalanx._settings`.
+    Which transport:
+        backend: ``"auto"`` (what the launcher started: ``phalanx run``, mpiexec or
+            srun → mpi, torchrun → gloo/nccl; a script started alone is a world of
+            one), or ``"local"``, ``"mpi"``, ``"gloo"``, ``"nccl"``.
+        devices: the GPU of each rank of a node, indexed by local rank (default
+            ``local_rank % device_count``).
+        gpu_aware_mpi: pass CUDA memory to MPI directly (default: ask the MPI library,
+            or ``PHALANX_GPU_AWARE_MPI``).
+
+    Safety:
+        timeout: seconds any collective may wait before it raises
+            CollectiveTimeoutError naming the missing ranks (default ``PHALANX_TIMEOUT``
+            or 300).
+        check: agree on every collective's shape, dtype, op and root across ranks
+            before data moves (default on; ``PHALANX_CHECK=0`` turns it off).
+        debug: also compare the line of code each rank calls from (``PHALANX_DEBUG=1``).
+
+    Returns the backend (``.name``, ``.rank``, ``.size``). Raises InvalidArgumentError
+    for an unknown backend or a bad timeout, UsageError when already initialized with
+    another backend, BackendUnavailableError when the backend's package is missing,
+    and RendezvousError/LaunchEnvironmentError when gloo/nccl ranks cannot meet.
     """
     global _WORLD
     if _WORLD is not None:
         if backend not in ("auto", _WORLD.backend.name):
-            raise PhalanxError(
+            raise UsageError(
                 f"phalanx.init(backend={backend!r}): already initialized with backend "
                 f"{_WORLD.backend.name!r}. Call phalanx.shutdown() first to switch backends."
             )
         return _WORLD.backend
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"phalanx.init(timeout={timeout!r}): the timeout must be a positive number of seconds")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        raise InvalidArgumentError(f"phalanx.init(timeout={timeout!r}): the timeout must be a positive "
+                                   "number of seconds, e.g. timeout=60.")
     name = detect_backend() if backend == "auto" else backend
     if name not in (*BACKENDS, "torch"):
-        raise ValueError(f"phalanx.init(backend={backend!r}): unknown backend; use one of "
-                         f"'auto', {', '.join(repr(b) for b in BACKENDS)}")
+        source = "" if backend != "auto" else f" (from PHALANX_BACKEND={name!r})"
+        raise InvalidArgumentError(f"phalanx.init(backend={backend!r}){source}: unknown backend; use one "
+                                   f"of 'auto', {', '.join(repr(b) for b in BACKENDS)}.")
     seconds = float(timeout if timeout is not None else settings.timeout)
+    mark_rank("init")  # for `phalanx run --start-timeout`: this rank has reached init
     impl = _make_backend(name, timeout=seconds, gpu_aware_mpi=gpu_aware_mpi if gpu_aware_mpi is not None
                          else settings.gpu_aware_mpi, devices=devices)
     _WORLD = World(impl, timeout=seconds, check=settings.check if check is None else check,
                    debug=settings.debug if debug is None else debug, devices=devices)
-    from ._failure import install_abort_hook
-
     install_abort_hook(_WORLD)
     return impl
 
@@ -289,24 +318,41 @@ def _make_backend(name: str, *, timeout: float, gpu_aware_mpi: bool | None,
 
 
 def initialized() -> bool:
-    """True between :func:`init` and :func:`shutdown`."""
+    """True between :func:`init` and :func:`shutdown` (never raises; needs no world)."""
     return _WORLD is not None
 
 
 def shutdown() -> None:
-    """Release the backend (after a final barrier when the world is healthy). Idempotent."""
+    """Leave the world and release the backend; calling it again does nothing.
+
+    Every rank should call it, after the same collective calls: it agrees with
+    the peers (bounded by the timeout) before releasing anything. Peers that are
+    still waiting in a collective instead raise RankFailedError naming this rank
+    at once, and this rank leaves without waiting for them (with a warning).
+    """
     global _WORLD
     world, _WORLD = _WORLD, None
     if world is None:
         return
     try:
         if world.broken is None and world.size > 1:
-            world.flush("shutdown")
-            world.backend.barrier(world.timeout)
-    except (WaitTimeout, PeerLost):
-        pass
+            world.ready("shutdown")
+            entries = world.leave()
+            if entries is not None:
+                _warn_left_behind(world, entries)
+    except PhalanxError as exc:  # the peers failed or never came: leave anyway, quickly
+        world.broken = world.broken or f"shutdown failed: {type(exc).__name__}"
     finally:
         world.backend.shutdown()
+
+
+def _warn_left_behind(world: World, entries: list[dict[str, Any]]) -> None:
+    others = {r: where(e) for r, e in enumerate(entries) if e["call"] != "shutdown"}
+    world.broken = "shut down while peers were in a collective"
+    warnings.warn(f"phalanx.shutdown() on rank {world.rank}: other ranks were still in a collective "
+                  f"({', '.join(f'rank {r}: {p}' for r, p in others.items())}); they raise "
+                  "RankFailedError. Every rank must make the same collective calls before shutdown().",
+                  RuntimeWarning, stacklevel=3)
 
 
 def backend() -> Backend:
@@ -315,45 +361,41 @@ def backend() -> Backend:
 
 
 def rank() -> int:
-    """This process's rank in ``range(size())``."""
+    """This process's rank, in ``range(size())``; NotInitializedError before :func:`init`."""
     return current("rank").rank
 
 
 def size() -> int:
-    """The number of processes in the job."""
+    """The number of processes in the job (1 when started alone); NotInitializedError before
+    :func:`init`."""
     return current("size").size
 
 
 def local_rank() -> int:
-    """This process's rank among the processes on its node."""
+    """This process's rank among the processes on its node (picks its GPU); NotInitializedError
+    before :func:`init`."""
     return current("local_rank").backend.local_rank
 
 
 def local_size() -> int:
-    """The number of processes on this node."""
+    """The number of processes on this node; NotInitializedError before :func:`init`."""
     return current("local_size").backend.local_size
 
 
 def device() -> Any:
-    """The torch device this rank should use: its GPU (``devices[local_rank]`` or
-    ``local_rank % device_count``), or the CPU when there is none. Imports torch."""
+    """The torch device this rank should use, made current: its GPU, or the CPU when there is none.
+
+    The GPU is ``devices[local_rank()]`` when ``phalanx.init(devices=...)`` listed
+    them, else ``local_rank() % torch.cuda.device_count()``. Imports torch; raises
+    BackendUnavailableError without it, InvalidArgumentError when ``devices`` has no
+    entry for this rank, NotInitializedError before :func:`init`.
+    """
     world = current("device")
     try:
         import torch
     except ImportError as exc:
         raise BackendUnavailableError("phalanx.device() needs PyTorch: `pip install torch`") from exc
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    local = world.backend.local_rank
-    if world.devices is not None:
-        if local >= len(world.devices):
-            raise ValueError(
-                f"phalanx.init(devices={world.devices!r}) lists {len(world.devices)} devices but this "
-                f"node runs local rank {local}; give one device per rank on the node."
-            )
-        chosen = torch.device(world.devices[local] if not isinstance(world.devices[local], int)
-                              else f"cuda:{world.devices[local]}")
-    else:
-        chosen = torch.device(f"cuda:{local % torch.cuda.device_count()}")
-    torch.cuda.set_device(chosen)
+    chosen = rank_device("device()", world.devices, world.backend.local_rank)
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
     return chosen

@@ -10,20 +10,24 @@ Arrays are NumPy arrays or torch tensors (already detached and contiguous).
 Data methods work in place when ``inplace`` is true and always return the
 result, which the front end hands back to the user.
 
-Two internal exceptions cross this boundary: :class:`WaitTimeout` (a wait
-passed its deadline; the front end turns it into a diagnosed
-``CollectiveTimeoutError``) and :class:`PeerLost` (the transport reported a
-dead peer; it becomes ``RankFailedError``).
+Internal exceptions cross this boundary, never reaching users:
+:class:`WaitTimeout` (a wait passed its deadline; the front end turns it into
+a diagnosed ``CollectiveTimeoutError``), :class:`PeerLost` (the transport
+reported a dead peer; it becomes ``RankFailedError``) and
+:class:`DiagnosisUnavailable` (a backend cannot say where its peers are; the
+timeout error then says so).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
-__all__ = ["OPS", "Backend", "PeerLost", "Request", "WaitTimeout"]
+__all__ = ["OPS", "Backend", "DiagnosisUnavailable", "Op", "PeerLost", "Request", "WaitTimeout"]
 
+#: A reduction op: ``avg`` needs floats; on ``bool``, ``min`` is logical and, ``max`` logical or.
+Op = Literal["sum", "prod", "min", "max", "avg"]
 # Reduction ops in a fixed order: the index is the op's code in fingerprints.
-OPS = ("sum", "prod", "min", "max", "avg")
+OPS: tuple[str, ...] = get_args(Op)
 
 
 class WaitTimeout(Exception):
@@ -32,6 +36,10 @@ class WaitTimeout(Exception):
 
 class PeerLost(Exception):
     """The transport reported a dead or disconnected peer (internal)."""
+
+
+class DiagnosisUnavailable(Exception):
+    """A backend cannot ask its peers where they are (internal: the timeout error says so)."""
 
 
 @runtime_checkable

@@ -5,9 +5,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections.abc import Mapping
+from typing import Literal
 
-__all__ = ["BACKENDS", "detect_backend"]
+__all__ = ["BACKENDS", "BackendName", "detect_backend"]
 
+#: What :func:`phalanx.init` accepts: ``auto`` picks what the launcher started.
+BackendName = Literal["auto", "local", "mpi", "gloo", "nccl"]
 BACKENDS = ("local", "mpi", "gloo", "nccl")
 
 # Variables an MPI launcher sets in every rank it starts.

@@ -14,16 +14,15 @@ Design notes (why, not what):
   precision is reduced in float32 (exact for min/max, and one rounding at the
   end for sum/prod/avg) and moved as raw 16-bit words.
 * CUDA tensors go straight to MPI when it is GPU-aware, otherwise through a
-  host copy (``gpu_aware_mpi=False`` forces the copy).
+  host copy (``gpu_aware_mpi=False`` forces the copy). Loading the library and
+  asking it about GPUs is in :mod:`._mpilib`.
 """
 
 from __future__ import annotations
 
 import array
 import contextlib
-import ctypes
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -32,44 +31,15 @@ from typing import Any
 import numpy as np
 
 from .._arrays import NATIVE_NUMPY_DTYPES
-from .._errors import BackendUnavailableError
 from . import _halfsum
+from ._mpilib import check_launcher_agrees, detect_gpu_aware, import_mpi, mpi_available
 from ._wait import poll
 
-__all__ = ["MPIBackend", "mpi_available"]
+__all__ = ["MPIBackend", "detect_gpu_aware", "mpi_available"]
 
 _F16 = np.dtype(np.float16)
 _BOOL = np.dtype(np.bool_)
 _DIAG_TAG = 31_337
-
-
-def mpi_available() -> bool:
-    """True when mpi4py imports (without initializing MPI)."""
-    try:
-        import mpi4py  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _import_mpi() -> Any:
-    try:
-        import mpi4py
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            "phalanx backend 'mpi' needs mpi4py. Install `pip install 'phalanx[mpich]'` "
-            "(mpi4py with MPICH from PyPI), or `pip install 'phalanx[mpi]'` to build mpi4py "
-            "against your cluster's own MPI (load its module first)."
-        ) from exc
-    try:
-        from mpi4py import MPI
-    except (ImportError, RuntimeError) as exc:
-        raise BackendUnavailableError(
-            f"phalanx backend 'mpi': mpi4py {mpi4py.__version__} is installed but its MPI library "
-            f"could not be loaded ({exc}). Install an MPI (`pip install mpich`) or load your "
-            "cluster's MPI module."
-        ) from exc
-    return MPI
 
 
 def _torch() -> Any:
@@ -78,29 +48,6 @@ def _torch() -> Any:
 
 def _is_torch(x: Any) -> bool:
     return not isinstance(x, np.ndarray)
-
-
-def detect_gpu_aware(MPI: Any) -> bool:
-    """Ask the (initialized) MPI library whether it accepts CUDA device memory.
-
-    mpi4py loads libmpi privately, so the query functions are looked up
-    through mpi4py's own extension module. MPICH aborts the process if its
-    query runs before ``MPI_Init``: call this only after initialization.
-    """
-    try:
-        lib = ctypes.CDLL(MPI.__file__)
-    except OSError:
-        return False
-    query = getattr(lib, "MPIX_Query_cuda_support", None)  # Open MPI
-    if query is not None:
-        query.restype = ctypes.c_int
-        return bool(query())
-    gpu_query = getattr(lib, "MPIX_GPU_query_support", None)  # MPICH >= 4
-    if gpu_query is not None:
-        ok = ctypes.c_int(0)
-        if gpu_query(ctypes.c_int(0), ctypes.byref(ok)) == 0:  # MPIX_GPU_SUPPORT_CUDA == 0
-            return bool(ok.value)
-    return False
 
 
 class _Request:
@@ -137,11 +84,11 @@ class MPIBackend:
     name = "mpi"
 
     def __init__(self, *, gpu_aware_mpi: bool | None = None) -> None:
-        MPI = _import_mpi()
+        MPI = import_mpi()
         if not MPI.Is_initialized():
             MPI.Init_thread(MPI.THREAD_MULTIPLE)
         self.MPI = MPI
-        _check_launcher_agrees(MPI.COMM_WORLD.Get_size())
+        check_launcher_agrees(MPI.COMM_WORLD.Get_size())
         self.comm = MPI.COMM_WORLD.Dup()
         self._diag = MPI.COMM_WORLD.Dup()
         self.rank = self.comm.Get_rank()
@@ -412,19 +359,6 @@ class MPIBackend:
 
     def abort(self, code: int) -> None:
         self.MPI.COMM_WORLD.Abort(code)
-
-
-def _check_launcher_agrees(size: int) -> None:
-    """A world of one under an mpiexec that started several ranks means two different MPIs."""
-    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
-        launched = os.environ.get(name, "")
-        if launched.isdigit() and int(launched) > 1 and size == 1:
-            raise BackendUnavailableError(
-                f"phalanx backend 'mpi': the launcher started {launched} ranks ({name}) but MPI sees "
-                "a world of 1: mpiexec and the MPI library mpi4py loaded belong to different MPI "
-                "implementations (e.g. Open MPI's mpiexec with MPICH's libmpi). Use the mpiexec "
-                "that matches mpi4py (`phalanx run` picks it), or rebuild mpi4py against your MPI."
-            )
 
 
 def _identity(w: Any) -> Any:

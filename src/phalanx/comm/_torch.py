@@ -1,110 +1,42 @@
-"""The ``gloo`` and ``nccl`` backends: torch.distributed, with the same semantics as ``mpi``.
+"""The ``gloo`` and ``nccl`` backends' data path: torch.distributed, with the same semantics as ``mpi``.
 
-Design notes (why, not what):
-
-* The rendezvous is a ``TCPStore`` made here from ``RANK``/``WORLD_SIZE``/
-  ``MASTER_ADDR``/``MASTER_PORT`` (what torchrun and ``phalanx run`` set), and
-  kept: after a timeout the process group is unusable, but the store still
-  answers, so :meth:`TorchBackend.diagnose` asks it who is stuck where. A
-  process group the user (or torchrun) already initialized is reused as is.
-* Every operation is posted with ``async_op=True`` and waited with a deadline:
-  gloo's ``Work.wait(timedelta)`` honours it (and costs nothing over a
-  blocking call); NCCL work is polled with ``is_completed()``, which never
-  blocks the host. So a stuck peer is a timeout, not a hang, even when the
-  process group was made with a longer timeout than phalanx's.
-* gloo and NCCL reduce float16/bfloat16 natively (half the bytes on the wire,
-  which is what compressed gradients are for), so a sum over more than two
-  ranks may differ from MPI's float32-accumulated one in the last bit. Only
-  ``avg`` widens halves to float32 on gloo, so a mean cannot overflow where
-  MPI's would not; NCCL averages natively. Neither transport has int16:
-  reductions widen it to int32 (the same wrap-around), moves send its bits
-  as float16.
-* gloo's ``reduce`` scribbles on non-root buffers, so non-root ranks reduce a
-  copy. NumPy arrays are shared with gloo zero-copy (``torch.from_numpy``);
-  NCCL stages host memory on the rank's GPU, and gloo CUDA memory on the host.
+Set-up (launch environment, rendezvous store, joining) is in :mod:`._torchsetup`.
+Every operation is posted with ``async_op=True`` and waited with a deadline, so
+a stuck peer is a timeout, not a hang; why the dtypes and buffers are handled
+as they are is in ``docs/design.md`` ("gloo and nccl").
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
-import json
 import os
-import re
-import socket
 import sys
-import time
+import threading
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from .._errors import BackendUnavailableError, CollectiveTimeoutError, LaunchEnvironmentError, PhalanxError
+from .._devices import rank_device
+from .._errors import BackendUnavailableError, InvalidArgumentError, UsageError
 from ._base import PeerLost, WaitTimeout
+from ._torchsetup import (
+    Rendezvous,
+    diagnose,
+    env,
+    import_torch,
+    node_ranks_from_store,
+    translate,
+    translating,
+)
 from ._wait import poll
 
 __all__ = ["TorchBackend"]
 
-# How torch reports a dead peer (gloo: "Connection closed by peer [addr]:port", NCCL: remote errors).
-_LOST = ("connection closed", "connection reset", "broken pipe", "connection refused", "ncclremoteerror",
-         "communicator was aborted", "remote process exiting", "socket closed", "end of file")
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _translate(exc: RuntimeError) -> Exception | None:
-    """torch's error for a timeout or a lost peer as WaitTimeout/PeerLost; None for anything else."""
-    text = str(exc)
-    first = re.sub(r"^\[[^\]]*\] ", "", text.strip().split("\n", 1)[0])  # drop "[.../pair.cc:553] "
-    if any(s in text.lower() for s in _LOST):
-        return PeerLost(first)
-    if "timed out" in text.lower() or "timeout" in text.lower():
-        return WaitTimeout(first)
-    return None
-
-
-def _translating(method: _F) -> _F:
-    """Raise torch's timeout/peer errors from ``method`` as WaitTimeout/PeerLost."""
-    @functools.wraps(method)
-    def wrapper(*args: Any) -> Any:
-        try:
-            return method(*args)
-        except RuntimeError as exc:
-            failure = _translate(exc)
-            if failure is None:
-                raise
-            raise failure from exc
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _import_torch() -> Any:
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError as exc:
-        raise BackendUnavailableError("phalanx backends 'gloo' and 'nccl' need PyTorch: "
-                                      "`pip install 'phalanx[torch]'` (or `pip install torch`).") from exc
-    if not dist.is_available():
-        raise BackendUnavailableError(
-            f"phalanx backends 'gloo'/'nccl': this PyTorch build ({torch.__version__}) has no "
-            "torch.distributed. Install an official wheel (`pip install torch`), or use backend='mpi'.")
-    return torch
-
-
-def _env(name: str, kind: type = str) -> Any:
-    value = os.environ.get(name, "").strip()
-    if not value:
-        raise LaunchEnvironmentError(
-            f"phalanx backends 'gloo'/'nccl' need the environment variable {name}, which is not set. "
-            "Start the script with `phalanx run -n N script.py` or `torchrun --nproc-per-node N "
-            "script.py` (they set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or set them yourself.")
-    try:
-        return kind(value)
-    except ValueError:
-        raise LaunchEnvironmentError(f"{name}={value!r} is not an integer") from None
+_TEARDOWN_S = 5.0  # destroying the process group may block on a peer that is gone: then give up
 
 
 class _Request:
@@ -146,47 +78,37 @@ class TorchBackend:
     _made = 0  # backends made in this process: separates the store keys of successive worlds
 
     def __init__(self, name: str | None, *, timeout: float, devices: list[Any] | None = None) -> None:
-        torch = _import_torch()
+        torch = import_torch()
         dist = self._dist = torch.distributed
         self._torch = torch
         TorchBackend._made += 1
-        self._generation = TorchBackend._made
+        self._prefix = f"phalanx/{TorchBackend._made}/"
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             name = name or ("nccl" if torch.cuda.is_available() else "gloo")
             self._check_available(name)
-            self.rank, self.size = _env("RANK", int), _env("WORLD_SIZE", int)
-            self._store = self._rendezvous(timeout)
+            self.rank, self.size = env("RANK", int), env("WORLD_SIZE", int)
+            meeting = Rendezvous(dist, self.rank, self.size, timeout, TorchBackend._made)
+            self._store = meeting.store
+            self.local_rank, self.local_size = meeting.node_ranks()
         else:  # the user or torchrun made the process group: use it as it is
             existing = str(dist.get_backend())
             name = name or ("nccl" if "nccl" in existing and torch.cuda.is_available() else "gloo")
             if name not in existing:
-                raise PhalanxError(f"phalanx.init(backend={name!r}): torch.distributed is already "
-                                   f"initialized with backend {existing!r}; pass backend='auto'.")
+                raise UsageError(f"phalanx.init(backend={name!r}): torch.distributed is already "
+                                 f"initialized with backend {existing!r}; pass backend='auto'.")
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
             get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
             self._store = get_store() if get_store is not None else None
+            self.local_rank, self.local_size = node_ranks_from_store(self._store, self.rank, self.size,
+                                                                     timeout)
         self.name = name
         self._nccl = name == "nccl"
-        self.local_rank, self.local_size = self._node_ranks(timeout)
         bound = None if self._owns_group else getattr(dist.group.WORLD, "bound_device_id", None)
-        self.device = (bound or self._pick_device(devices)) if self._nccl else torch.device("cpu")
+        self.device = (bound or rank_device("init(backend='nccl')", devices, self.local_rank)) \
+            if self._nccl else torch.device("cpu")
         if self._owns_group:
-            if self._nccl:
-                torch.cuda.set_device(self.device)
-                os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-            try:
-                # The group's own timeout is a backstop behind phalanx's: if gloo gave up first,
-                # its background thread could end the process while phalanx asks the peers
-                # where they are (a rank dying silently instead of raising the timeout).
-                dist.init_process_group(name, rank=self.rank, world_size=self.size, store=self._store,
-                                        timeout=timedelta(seconds=timeout + max(30.0, timeout)),
-                                        **({"device_id": self.device} if self._nccl else {}))
-            except RuntimeError as exc:
-                raise self._rendezvous_error(exc, timeout) from exc
-            # Exiting with a live gloo group sometimes dies in "terminate called without an
-            # active exception" (about 1 run in 20, raw torch too); destroying it first does not.
-            atexit.register(self.shutdown)
+            self._init_group(name, timeout, meeting)
         ops = dist.ReduceOp  # on bool, MIN is logical and and MAX logical or, on gloo and NCCL alike
         self._ops = {"sum": ops.SUM, "prod": ops.PRODUCT, "min": ops.MIN, "max": ops.MAX,
                      "avg": ops.AVG if self._nccl else ops.SUM}
@@ -203,7 +125,8 @@ class TorchBackend:
     def _check_available(self, name: str) -> None:
         torch, dist = self._torch, self._dist
         if name not in ("gloo", "nccl"):
-            raise ValueError(f"TorchBackend: unknown backend {name!r}; use 'gloo' or 'nccl'")
+            raise InvalidArgumentError(f"phalanx.init(backend={name!r}): torch.distributed backends are "
+                                       "'gloo' (CPU) and 'nccl' (GPU).")
         if name == "nccl" and not torch.cuda.is_available():
             raise BackendUnavailableError(
                 "phalanx backend 'nccl' needs CUDA GPUs, and torch.cuda.is_available() is False here "
@@ -212,53 +135,23 @@ class TorchBackend:
             raise BackendUnavailableError(f"phalanx backend {name!r}: this PyTorch build "
                                           f"({torch.__version__}) was compiled without {name}.")
 
-    def _rendezvous(self, timeout: float) -> Any:
-        host, port = _env("MASTER_ADDR"), _env("MASTER_PORT", int)
-        # Under torchrun the agent already serves a store on MASTER_PORT, shared by restarts.
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    def _init_group(self, name: str, timeout: float, meeting: Rendezvous) -> None:
+        dist = self._dist
+        if self._nccl:
+            self._torch.cuda.set_device(self.device)
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         try:
-            store = self._dist.TCPStore(host, port, self.size, is_master=self.rank == 0 and not agent,
-                                        timeout=timedelta(seconds=timeout))
+            # The group's own timeout is a backstop behind phalanx's: if gloo gave up first,
+            # its background thread could end the process while phalanx asks the peers
+            # where they are (a rank dying silently instead of raising the timeout).
+            dist.init_process_group(name, rank=self.rank, world_size=self.size, store=self._store,
+                                    timeout=timedelta(seconds=timeout + max(30.0, timeout)),
+                                    **({"device_id": self.device} if self._nccl else {}))
         except RuntimeError as exc:
-            raise self._rendezvous_error(exc, timeout) from exc
-        if agent:
-            store = self._dist.PrefixStore(f"phalanx{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        return store
-
-    def _rendezvous_error(self, exc: RuntimeError, timeout: float) -> PhalanxError:
-        where = f"rank {self.rank}/{self.size} at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        if isinstance(_translate(exc), WaitTimeout):
-            return CollectiveTimeoutError(
-                f"phalanx.init: the ranks did not all meet within {timeout:g} s ({where}): "
-                f"{str(exc).rstrip('.')}. Check that every rank was started, with the same "
-                "MASTER_ADDR/MASTER_PORT and WORLD_SIZE.")
-        return PhalanxError(f"phalanx.init: the torch.distributed rendezvous failed ({where}): {exc}")
-
-    def _node_ranks(self, timeout: float) -> tuple[int, int]:
-        local, count = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
-        if local.isdigit() and count.isdigit():
-            return int(local), int(count)
-        if self._store is None:  # only with a user's process group on an old torch: assume one node
-            return self.rank, self.size
-        me = socket.gethostname()  # no launcher said: count the ranks on this host, in rank order
-        keys = [f"phalanx/host/{r}" for r in range(self.size)]
-        self._store.set(keys[self.rank], me)
-        self._store.wait(keys, timedelta(seconds=timeout))
-        multi_get = getattr(self._store, "multi_get", None)  # one round trip, where torch has it
-        hosts = multi_get(keys) if multi_get is not None else [self._store.get(k) for k in keys]
-        here = [r for r, h in enumerate(hosts) if h.decode() == me]
-        return here.index(self.rank), len(here)
-
-    def _pick_device(self, devices: list[Any] | None) -> Any:
-        torch = self._torch
-        if devices is None:
-            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
-        if self.local_rank >= len(devices):
-            raise ValueError(f"phalanx.init(devices={devices!r}) lists {len(devices)} devices but this "
-                             f"node runs local rank {self.local_rank}; give one device per rank on the node.")
-        chosen = devices[self.local_rank]
-        device = torch.device("cuda", chosen) if isinstance(chosen, int) else torch.device(chosen)
-        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+            raise meeting.failed(exc) from exc
+        # Exiting with a live gloo group sometimes dies in "terminate called without an
+        # active exception" (about 1 run in 20, raw torch too); destroying it first does not.
+        atexit.register(self.shutdown)
 
     # -- buffers ------------------------------------------------------------------
     def _tensor(self, a: Any) -> Any:
@@ -335,7 +228,7 @@ class TorchBackend:
         if op == "avg" and not self._nccl:
             t.div_(self.size)
 
-    @_translating
+    @translating
     def _wait(self, work: Any, timeout: float) -> None:
         """Wait for ``work`` at most ``timeout`` s; its failure as WaitTimeout or PeerLost."""
         if self._nccl:
@@ -348,13 +241,13 @@ class TorchBackend:
         try:
             return _Request(self, post(), finish)
         except RuntimeError as exc:  # a failure to post is raised by wait(), like any other
-            failure = _translate(exc)
+            failure = translate(exc)
             if failure is None:
                 raise
             return _Request(self, None, finish, failure)
 
     # -- agreement ------------------------------------------------------------
-    @_translating
+    @translating
     def agree(self, signature: int, timeout: float) -> bool:
         chk = self._chk
         chk[0] = signature
@@ -372,7 +265,7 @@ class TorchBackend:
         return self._request(lambda: self._dist.all_reduce(out, self._dist.ReduceOp.MAX, async_op=True),
                              lambda: bool(self._torch.equal(out.cpu(), mine)))
 
-    @_translating
+    @translating
     def allgather_bytes(self, payload: bytes, timeout: float) -> list[bytes]:
         sizes = self.allgather(np.array(len(payload), np.int64), timeout).tolist()
         padded = np.zeros(max(sizes), np.uint8)
@@ -380,7 +273,7 @@ class TorchBackend:
         rows = self.allgather(padded, timeout)
         return [rows[r, :n].tobytes() for r, n in enumerate(sizes)]
 
-    @_translating
+    @translating
     def broadcast_bytes(self, payload: bytes | None, root: int, timeout: float) -> bytes:
         mine = payload if self.rank == root and payload is not None else b""
         size = self.broadcast(np.array(len(mine), np.int64), root, True, timeout)
@@ -389,27 +282,10 @@ class TorchBackend:
 
     def diagnose(self, call: str, call_index: int, grace: float) -> tuple[list[int], dict[int, str]]:
         """Leave this rank's stuck call in the store; read the peers' reports for ``grace`` s."""
-        store = self._store
-        if store is None:
-            raise PhalanxError("no store to ask (the process group was made without one)")
-        store.set_timeout(timedelta(seconds=max(grace, 0.1)))  # every store call is bounded too
-        prefix = f"phalanx/stuck/{self._generation}/"
-        store.set(f"{prefix}{self.rank}", json.dumps({"call": call, "index": call_index}))
-        reports: dict[int, dict[str, Any]] = {}
-        waiting = [r for r in range(self.size) if r != self.rank]
-        deadline = time.monotonic() + grace
-        while waiting and time.monotonic() < deadline:
-            for r in [r for r in waiting if store.check([f"{prefix}{r}"])]:
-                reports[r] = json.loads(store.get(f"{prefix}{r}"))
-                waiting.remove(r)
-            if waiting:
-                time.sleep(0.02)
-        elsewhere = {r: f"{rep['call']} (call #{rep['index']})" for r, rep in reports.items()
-                     if rep["call"] != call or rep["index"] != call_index}
-        return waiting, elsewhere
+        return diagnose(self._store, self._prefix, self.rank, self.size, call, call_index, grace)
 
     # -- data -----------------------------------------------------------------
-    @_translating
+    @translating
     def allreduce(self, x: Any, op: str, inplace: bool, timeout: float) -> Any:
         t, finish = self._work(x, inplace, op)
         self._wait(self._dist.all_reduce(t, self._ops[op], async_op=True), timeout)
@@ -425,7 +301,7 @@ class TorchBackend:
 
         return self._request(lambda: self._dist.all_reduce(t, self._ops[op], async_op=True), complete)
 
-    @_translating
+    @translating
     def broadcast(self, x: Any, root: int, inplace: bool, timeout: float) -> Any:
         t, finish = self._work(x, inplace)
         self._wait(self._dist.broadcast(self._bits(t), root, async_op=True), timeout)
@@ -436,7 +312,7 @@ class TorchBackend:
         return self._request(lambda: self._dist.broadcast(self._bits(t), root, async_op=True),
                              lambda: finish(t))
 
-    @_translating
+    @translating
     def reduce(self, x: Any, op: str, root: int, inplace: bool, timeout: float) -> Any:
         if self.rank != root:  # gloo writes partial results into non-root buffers: give it a copy
             src = self._tensor(x)
@@ -449,7 +325,7 @@ class TorchBackend:
         self._scale(t, op)
         return finish(t)
 
-    @_translating
+    @translating
     def allgather(self, x: Any, timeout: float) -> Any:
         send = self._send(x)
         out, finish = self._output(x, send, (self.size, *send.shape))
@@ -457,7 +333,7 @@ class TorchBackend:
                    timeout)
         return finish()
 
-    @_translating
+    @translating
     def gather(self, x: Any, root: int, timeout: float) -> Any:
         send = self._send(x)
         if self.rank != root:
@@ -468,7 +344,7 @@ class TorchBackend:
         self._wait(self._dist.gather(self._bits(send), parts, root, async_op=True), timeout)
         return finish()
 
-    @_translating
+    @translating
     def reduce_scatter(self, x: Any, op: str, timeout: float) -> Any:
         send = self._send(x, op)
         out = self._torch.empty((send.shape[0] // self.size, *send.shape[1:]), dtype=send.dtype,
@@ -478,7 +354,7 @@ class TorchBackend:
         self._scale(out, op)
         return self._user(x, out)
 
-    @_translating
+    @translating
     def alltoall(self, x: Any, timeout: float) -> Any:
         send = self._send(x)
         out, finish = self._output(x, send, tuple(send.shape))
@@ -486,18 +362,27 @@ class TorchBackend:
                                                 async_op=True), timeout)
         return finish()
 
-    @_translating
+    @translating
     def barrier(self, timeout: float) -> None:
         token = self._torch.zeros(1, device=self.device)  # not dist.barrier: NCCL's guesses a device
         self._wait(self._dist.all_reduce(token, async_op=True), timeout)
 
     # -- lifecycle --------------------------------------------------------------
     def shutdown(self) -> None:
-        """Destroy the process group if this backend made it (a user's own is left alone)."""
+        """Destroy the process group if this backend made it (a user's own is left alone).
+
+        In a thread, given up after a few seconds: after a failure, destroying the
+        group can block on a peer that is gone or cut off, and leaving must not.
+        """
         atexit.unregister(self.shutdown)
         if self._owns_group and self._dist.is_initialized():
-            with contextlib.suppress(Exception):  # destroying after a failure may itself fail
-                self._dist.destroy_process_group()
+            def destroy() -> None:
+                with contextlib.suppress(Exception):  # destroying after a failure may itself fail
+                    self._dist.destroy_process_group()
+
+            thread = threading.Thread(target=destroy, name="phalanx-teardown", daemon=True)
+            thread.start()
+            thread.join(_TEARDOWN_S)
         self._store = None
 
     def abort(self, code: int) -> None:

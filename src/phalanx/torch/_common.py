@@ -20,9 +20,8 @@ from typing import Any, Literal
 import numpy as np
 
 from .._collectives import allreduce
-from .._errors import CollectiveMismatchError, WorldBrokenError
+from .._errors import CollectiveMismatchError
 from .._world import World, current
-from ..comm._base import PeerLost, WaitTimeout
 
 __all__ = ["Compression", "GradientOp", "backend_call", "verify_same_structure"]
 
@@ -68,15 +67,6 @@ def backend_call(world: World, call: str, fn: Callable[..., Any], *args: Any) ->
     Pending non-blocking collectives are posted first: MPI matches
     collectives by the order they are posted, on every rank.
     """
-    if world.broken is not None:
-        raise WorldBrokenError(
-            f"phalanx.{call}: the world is unusable after an earlier failure ({world.broken}). "
-            "Let the exception end the job and restart from a checkpoint.")
-    if world.pending:
-        world.flush(call)
-    try:
+    world.ready(call)
+    with world.guard(call):
         return fn(*args)
-    except WaitTimeout:
-        raise world.timed_out(call) from None
-    except PeerLost as exc:
-        raise world.peer_lost(call, exc) from None

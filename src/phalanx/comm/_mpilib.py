@@ -1,0 +1,82 @@
+"""Loading MPI for the ``mpi`` backend, and what phalanx asks the library before using it.
+
+mpi4py is imported only here and only when a backend is made (``import phalanx``
+stays light); a missing or broken MPI is a :class:`BackendUnavailableError`
+that names what to install.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+from .._errors import BackendUnavailableError
+
+__all__ = ["check_launcher_agrees", "detect_gpu_aware", "import_mpi", "mpi_available"]
+
+
+def mpi_available() -> bool:
+    """True when mpi4py imports (without initializing MPI)."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def import_mpi() -> Any:
+    """mpi4py's ``MPI`` module; BackendUnavailableError naming what to install when it cannot load."""
+    try:
+        import mpi4py
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            "phalanx backend 'mpi' needs mpi4py. Install `pip install 'phalanx[mpich]'` "
+            "(mpi4py with MPICH from PyPI), or `pip install 'phalanx[mpi]'` to build mpi4py "
+            "against your cluster's own MPI (load its module first)."
+        ) from exc
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError) as exc:
+        raise BackendUnavailableError(
+            f"phalanx backend 'mpi': mpi4py {mpi4py.__version__} is installed but its MPI library "
+            f"could not be loaded ({exc}). Install an MPI (`pip install mpich`) or load your "
+            "cluster's MPI module."
+        ) from exc
+    return MPI
+
+
+def detect_gpu_aware(MPI: Any) -> bool:
+    """Ask the (initialized) MPI library whether it accepts CUDA device memory.
+
+    mpi4py loads libmpi privately, so the query functions are looked up
+    through mpi4py's own extension module. MPICH aborts the process if its
+    query runs before ``MPI_Init``: call this only after initialization.
+    """
+    try:
+        lib = ctypes.CDLL(MPI.__file__)
+    except OSError:
+        return False
+    query = getattr(lib, "MPIX_Query_cuda_support", None)  # Open MPI
+    if query is not None:
+        query.restype = ctypes.c_int
+        return bool(query())
+    gpu_query = getattr(lib, "MPIX_GPU_query_support", None)  # MPICH >= 4
+    if gpu_query is not None:
+        ok = ctypes.c_int(0)
+        if gpu_query(ctypes.c_int(0), ctypes.byref(ok)) == 0:  # MPIX_GPU_SUPPORT_CUDA == 0
+            return bool(ok.value)
+    return False
+
+
+def check_launcher_agrees(size: int) -> None:
+    """A world of one under an mpiexec that started several ranks means two different MPIs."""
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        launched = os.environ.get(name, "")
+        if launched.isdigit() and int(launched) > 1 and size == 1:
+            raise BackendUnavailableError(
+                f"phalanx backend 'mpi': the launcher started {launched} ranks ({name}) but MPI sees "
+                "a world of 1: mpiexec and the MPI library mpi4py loaded belong to different MPI "
+                "implementations (e.g. Open MPI's mpiexec with MPICH's libmpi). Use the mpiexec "
+                "that matches mpi4py (`phalanx run` picks it), or rebuild mpi4py against your MPI."
+            )

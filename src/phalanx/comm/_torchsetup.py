@@ -1,0 +1,284 @@
+"""Setting up the ``gloo``/``nccl`` backends: torch, the launch environment, the rendezvous store.
+
+Design notes (why, not what):
+
+* The rendezvous is a ``TCPStore`` served by rank 0 on ``MASTER_ADDR:MASTER_PORT``
+  (what torchrun and ``phalanx run`` set). When ``MASTER_ADDR`` is a loopback
+  address every rank is on this host, so phalanx binds the store's socket to
+  that address itself and hands it to torch (``master_listen_fd``): torch's
+  own server would listen on every interface, letting anyone on the network
+  read and write the job's keys. gloo's own connections are confined the same
+  way (``GLOO_SOCKET_IFNAME=lo`` unless the user set it). A file store was the
+  alternative; it needs a directory every rank shares and has no ``check``
+  without a round trip to the file system, so the diagnosis would be slower.
+* The store is kept after set-up: after a timeout the process group is
+  unusable, but the store still answers, so the backend's ``diagnose`` asks it
+  who is stuck where (with short store timeouts of its own).
+* Joining is phalanx's own protocol on the store, not torch's: every rank
+  writes ``join/<rank>`` (its host and ``WORLD_SIZE``) and polls until all have.
+  So a rank that never starts, or a wrong ``WORLD_SIZE``, is a
+  :class:`RendezvousError` on *every* rank, saying how many joined and which
+  are missing; rank 0 leaves that verdict in the store for the others to read
+  before it gives up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import ipaddress
+import json
+import os
+import re
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from .._errors import BackendUnavailableError, LaunchEnvironmentError, RendezvousError
+from ._base import DiagnosisUnavailable, PeerLost, WaitTimeout
+
+__all__ = ["Rendezvous", "diagnose", "import_torch", "node_ranks_from_store", "translate", "translating"]
+
+# How torch reports a dead peer (gloo: "Connection closed by peer [addr]:port", NCCL: remote errors).
+_LOST = ("connection closed", "connection reset", "broken pipe", "connection refused", "ncclremoteerror",
+         "communicator was aborted", "remote process exiting", "socket closed", "end of file")
+_F = TypeVar("_F", bound=Callable[..., Any])
+_VERDICT_READ_S = 1.0  # rank 0 keeps the store up this long after a failed rendezvous, for the others
+
+
+def translate(exc: RuntimeError) -> Exception | None:
+    """torch's error for a timeout or a lost peer as WaitTimeout/PeerLost; None for anything else."""
+    text = str(exc)
+    first = re.sub(r"^\[[^\]]*\] ", "", text.strip().split("\n", 1)[0])  # drop "[.../pair.cc:553] "
+    if any(s in text.lower() for s in _LOST):
+        return PeerLost(first)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return WaitTimeout(first)
+    return None
+
+
+def translating(method: _F) -> _F:
+    """Raise torch's timeout/peer errors from ``method`` as WaitTimeout/PeerLost."""
+    @functools.wraps(method)
+    def wrapper(*args: Any) -> Any:
+        try:
+            return method(*args)
+        except RuntimeError as exc:
+            failure = translate(exc)
+            if failure is None:
+                raise
+            raise failure from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+def import_torch() -> Any:
+    """torch, with torch.distributed usable; BackendUnavailableError naming the fix otherwise."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as exc:
+        raise BackendUnavailableError("phalanx.init(backend='gloo'/'nccl') needs PyTorch: "
+                                      "`pip install 'phalanx[torch]'` (or `pip install torch`).") from exc
+    if not dist.is_available():
+        raise BackendUnavailableError(
+            f"phalanx.init(backend='gloo'/'nccl'): this PyTorch build ({torch.__version__}) has no "
+            "torch.distributed. Install an official wheel (`pip install torch`), or use backend='mpi'.")
+    return torch
+
+
+def env(name: str, kind: type = str) -> Any:
+    """Launch variable ``name`` as ``kind``; LaunchEnvironmentError naming the fix when missing or bad."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        raise LaunchEnvironmentError(
+            f"phalanx.init(backend='gloo'/'nccl') needs the environment variable {name}, which is not "
+            "set. Start the script with `phalanx run -n N script.py` or `torchrun --nproc-per-node N "
+            "script.py` (they set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), or set them yourself.")
+    try:
+        return kind(value)
+    except ValueError:
+        raise LaunchEnvironmentError(f"phalanx.init: {name}={value!r} is not an integer; the launcher "
+                                     f"must set it to one, e.g. {name}=0.") from None
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` names this machine's loopback interface (so every rank is local)."""
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+class Rendezvous:
+    """The ranks' meeting point: the store, and what each rank told it when it joined."""
+
+    def __init__(self, dist: Any, rank: int, size: int, timeout: float, generation: int) -> None:
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self.host, self.port = env("MASTER_ADDR"), env("MASTER_PORT", int)
+        self.where = f"{self.host}:{self.port}"
+        self.prefix = f"phalanx/{generation}/"
+        if not 0 <= rank < size:
+            raise LaunchEnvironmentError(
+                f"phalanx.init: RANK={rank} is not a rank of WORLD_SIZE={size} (need 0 <= RANK < "
+                "WORLD_SIZE); every rank must be started with the same WORLD_SIZE and its own RANK.")
+        if is_loopback(self.host):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on loopback too
+        self.store = self._connect(dist)
+        self.hosts = self._join()
+
+    def _connect(self, dist: Any) -> Any:
+        # Under torchrun the agent already serves a store on MASTER_PORT, shared by restarts.
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        serve = self.rank == 0 and not agent
+        options: dict[str, Any] = {}
+        if serve and is_loopback(self.host):
+            options["master_listen_fd"] = _listen(self.host, self.port).detach()  # torch owns it now
+        try:
+            store = dist.TCPStore(self.host, self.port, None, serve, timedelta(seconds=self.timeout),
+                                  wait_for_workers=False, **options)
+        except RuntimeError as exc:
+            if "master_listen_fd" in options:
+                with contextlib.suppress(OSError):
+                    os.close(options["master_listen_fd"])
+            if serve:
+                raise RendezvousError(
+                    f"phalanx.init: rank 0 could not serve the rendezvous store at {self.where} ({exc}). "
+                    "Is MASTER_PORT free? Pick another port, or let `phalanx run` choose one.") from exc
+            raise RendezvousError(
+                f"phalanx.init: rank {self.rank} of {self.size} could not reach the rendezvous store that "
+                f"rank 0 serves at {self.where} within {self.timeout:g} s ({_first_line(exc)}). Rank 0 has "
+                "not started, has already failed, or MASTER_ADDR/MASTER_PORT differ between ranks: start "
+                "every rank with the same values (`phalanx run` does).") from exc
+        if agent:
+            store = dist.PrefixStore(f"phalanx{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        return store
+
+    def _join(self) -> list[str]:
+        """Every rank's host, in rank order, once every rank has joined (RendezvousError otherwise)."""
+        store, keys = self.store, [f"{self.prefix}join/{r}" for r in range(self.size)]
+        verdict = f"{self.prefix}verdict"
+        me = json.dumps({"host": socket.gethostname(), "size": self.size, "pid": os.getpid()})
+        deadline = time.monotonic() + self.timeout
+        pause = 0.002
+        try:
+            store.set(keys[self.rank], me)
+            while not store.check(keys):
+                if self.rank != 0 and store.check([verdict]):
+                    raise RendezvousError(store.get(verdict).decode())
+                if time.monotonic() > deadline:
+                    self._give_up(keys, verdict)
+                time.sleep(pause)
+                pause = min(pause * 2, 0.1)
+            joined = [json.loads(v) for v in _get_all(store, keys)]
+        except RendezvousError:
+            raise
+        except RuntimeError as exc:  # the store went away: rank 0 failed or gave up first
+            raise RendezvousError(
+                f"phalanx.init: rank {self.rank} of {self.size} lost the rendezvous store at {self.where} "
+                f"while waiting for the other ranks ({_first_line(exc)}): rank 0, which serves it, gave "
+                "up or failed; its own error names the missing ranks.") from exc
+        sizes = {r: j["size"] for r, j in enumerate(joined) if j["size"] != self.size}
+        if sizes:
+            raise RendezvousError(
+                f"phalanx.init: rank {self.rank} was started with WORLD_SIZE={self.size} but rank(s) "
+                f"{sorted(sizes)} with WORLD_SIZE={sorted(set(sizes.values()))}; start every rank with "
+                "the same WORLD_SIZE.")
+        return [j["host"] for j in joined]
+
+    def _give_up(self, keys: list[str], verdict: str) -> None:
+        joined = [r for r, k in enumerate(keys) if self.store.check([k])]
+        missing = [r for r in range(self.size) if r not in joined]
+        message = (
+            f"phalanx.init: only {len(joined)} of {self.size} ranks joined the rendezvous at {self.where} "
+            f"within {self.timeout:g} s; missing: rank{'s' if len(missing) > 1 else ''} "
+            f"{missing if len(missing) > 1 else missing[0]}. Check that every rank was started (a "
+            "launcher that stopped early, or a wrong WORLD_SIZE) with the same MASTER_ADDR/MASTER_PORT; "
+            "raise the limit with `phalanx.init(timeout=...)` or PHALANX_TIMEOUT if ranks start slowly.")
+        if self.rank == 0:  # leave the verdict for the others, and keep the store up while they read it
+            self.store.set(verdict, message)
+            time.sleep(_VERDICT_READ_S)
+        raise RendezvousError(message)
+
+    def node_ranks(self) -> tuple[int, int]:
+        """(local rank, local size): the launcher's, else counted from the hosts the ranks joined from."""
+        local, count = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+        if local.isdigit() and count.isdigit():
+            return int(local), int(count)
+        here = [r for r, h in enumerate(self.hosts) if h == self.hosts[self.rank]]
+        return here.index(self.rank), len(here)
+
+    def failed(self, exc: RuntimeError) -> RendezvousError:
+        """``init_process_group``'s failure after the join, as a RendezvousError naming the fix."""
+        return RendezvousError(
+            f"phalanx.init: rank {self.rank} of {self.size} joined at {self.where}, but torch.distributed "
+            f"could not connect the ranks ({_first_line(exc)}). A peer failed during set-up (its own "
+            "error is in its output), or a firewall blocks the ranks' connections.")
+
+
+def node_ranks_from_store(store: Any, rank: int, size: int, timeout: float) -> tuple[int, int]:
+    """(local rank, local size) for a process group the user made: the launcher's, else counted
+    from the hosts the ranks write to the group's store (one node when there is no store)."""
+    local, count = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and count.isdigit():
+        return int(local), int(count)
+    if store is None:  # only with a user's process group on an old torch: assume one node
+        return rank, size
+    me = socket.gethostname()
+    keys = [f"phalanx/host/{r}" for r in range(size)]
+    store.set(keys[rank], me)
+    store.wait(keys, timedelta(seconds=timeout))
+    here = [r for r, h in enumerate(_get_all(store, keys)) if h.decode() == me]
+    return here.index(rank), len(here)
+
+
+def diagnose(store: Any, prefix: str, rank: int, size: int, call: str, index: int,
+             grace: float) -> tuple[list[int], dict[int, str]]:
+    """Leave this rank's stuck call in the store; read the peers' reports for ``grace`` s.
+
+    Every store operation is bounded by ``grace`` too: a store that cannot be
+    reached (its host is gone or cut off) makes this fail fast, not hang.
+    """
+    if store is None:
+        raise DiagnosisUnavailable("the process group was made without a store to ask")
+    store.set_timeout(timedelta(seconds=max(grace, 0.1)))
+    store.set(f"{prefix}stuck/{rank}", json.dumps({"call": call, "index": index}))
+    reports: dict[int, dict[str, Any]] = {}
+    waiting = [r for r in range(size) if r != rank]
+    deadline = time.monotonic() + grace
+    while waiting and time.monotonic() < deadline:
+        for r in [r for r in waiting if store.check([f"{prefix}stuck/{r}"])]:
+            reports[r] = json.loads(store.get(f"{prefix}stuck/{r}"))
+            waiting.remove(r)
+        if waiting:
+            time.sleep(0.02)
+    elsewhere = {r: f"{rep['call']} (call #{rep['index']})" for r, rep in reports.items()
+                 if rep["call"] != call or rep["index"] != index}
+    return waiting, elsewhere
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` only (for the store on a single host)."""
+    family = socket.AF_INET6 if ":" in socket.gethostbyname(host) else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((socket.gethostbyname(host), port))
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        raise RendezvousError(
+            f"phalanx.init: rank 0 could not listen on {host}:{port} for the rendezvous ({exc}). Is "
+            "MASTER_PORT free? Pick another port, or let `phalanx run` choose one.") from None
+    return sock
+
+
+def _get_all(store: Any, keys: list[str]) -> list[bytes]:
+    multi_get = getattr(store, "multi_get", None)  # one round trip, where torch has it
+    return multi_get(keys) if multi_get is not None else [store.get(k) for k in keys]
+
+
+def _first_line(exc: BaseException) -> str:
+    return re.sub(r"^\[[^\]]*\] ", "", str(exc).strip().split("\n", 1)[0])
