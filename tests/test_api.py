@@ -1,21 +1,11 @@
-"""Single-process behaviour: import weight, initialization rules, settings."""
+"""Single-process behaviour: initialization rules, settings (import weight: tests/test_layers.py)."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import phalanx
-
-
-def test_import_phalanx_is_light() -> None:
-    code = ("import sys, phalanx, phalanx.cli, phalanx.testing; "
-            "print(sorted(m for m in ('torch', 'jax', 'mpi4py') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("call", [
@@ -43,9 +33,13 @@ def test_local_world_init_is_idempotent_and_shuts_down() -> None:
     phalanx.shutdown()  # idempotent
 
 
-def test_init_rejects_bad_arguments() -> None:
+def test_init_rejects_an_unknown_backend() -> None:
     with pytest.raises(ValueError, match="unknown backend"):
         phalanx.init("tcp")
+    assert not phalanx.initialized()
+
+
+def test_init_rejects_a_timeout_that_is_not_positive() -> None:
     with pytest.raises(ValueError, match="positive"):
         phalanx.init("local", timeout=0)
     assert not phalanx.initialized()
@@ -71,6 +65,11 @@ def test_settings_come_from_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("PHALANX_GPU_AWARE_MPI", "off")
     s = Settings()
     assert (s.timeout, s.check, s.gpu_aware_mpi, s.debug) == (12.5, False, False, False)
+
+
+def test_a_malformed_timeout_setting_is_an_error_naming_it(monkeypatch) -> None:
+    from phalanx._settings import Settings
+
     monkeypatch.setenv("PHALANX_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="PHALANX_TIMEOUT"):
         Settings()

@@ -20,7 +20,15 @@ __all__ = ["RankFilter", "print", "setup_logging"]
 
 def print(*values: Any, sep: str = " ", end: str = "\n", file: TextIO | None = None,
           flush: bool = True) -> None:
-    """``print`` with a ``[rank/size]`` prefix on every line; flushed by default."""
+    """Print from this rank with a ``[rank/size]`` prefix on every line, e.g. ``[1/4] step done``.
+
+    Not collective: any rank may call it at any time, alone. Arguments are those of the
+    built-in ``print``: ``values`` joined by ``sep`` and ended with ``end``, written to ``file``
+    (default ``sys.stdout``); ``flush`` defaults to True so lines from different ranks are
+    not held back in buffers.
+
+    Raises :class:`~phalanx.NotInitializedError` before :func:`phalanx.init`.
+    """
     world = current("print")
     text = sep.join(str(v) for v in values)
     prefix = f"[{world.rank}/{world.size}] "
@@ -29,10 +37,12 @@ def print(*values: Any, sep: str = " ", end: str = "\n", file: TextIO | None = N
 
 
 class RankFilter(logging.Filter):
-    """Pass records from rank 0 only (or every rank with ``all_ranks=True``).
+    """A :class:`logging.Filter` that passes records from rank 0 only, so a log is not repeated N times.
 
-    A single record can opt in on every rank with ``extra={"all_ranks": True}``.
-    Adds ``record.rank`` and ``record.size`` for formats (``-1`` before init).
+    ``all_ranks=True`` passes every rank's records; a single record opts in on every rank
+    with ``logger.info(..., extra={"all_ranks": True})``. Before :func:`phalanx.init` every
+    record passes. Also sets ``record.rank`` and ``record.size`` (``-1`` before init) for
+    formats such as ``"[%(rank)d/%(size)d] %(message)s"``.
     """
 
     def __init__(self, all_ranks: bool = False) -> None:
@@ -51,10 +61,19 @@ class RankFilter(logging.Filter):
 def setup_logging(level: int | str = logging.INFO, *, all_ranks: bool = False,
                   fmt: str = "%(asctime)s [%(rank)d/%(size)d] %(levelname)s %(name)s: %(message)s",
                   logger: logging.Logger | None = None) -> logging.Handler:
-    """Log to stderr from rank 0 only (every rank with ``all_ranks=True``); returns the handler.
+    """Send log records to stderr from rank 0 only, prefixed with ``[rank/size]``; returns the handler.
 
-    Configures the root logger (or ``logger``), replacing a handler this function
-    installed earlier, so calling it twice is safe.
+    Adds a stream handler with a :class:`RankFilter` to the root logger (or ``logger``)
+    and sets its level, replacing a handler this function installed earlier, so calling
+    it twice is safe.
+
+    Arguments:
+        ``level``: the logger's level (``logging.INFO`` or a name such as ``"DEBUG"``).
+        ``all_ranks``: log from every rank, not only rank 0.
+        ``fmt``: a :class:`logging.Formatter` format; ``%(rank)d`` and ``%(size)d`` are available.
+        ``logger``: the logger to configure (default: the root logger).
+
+    Returns the installed :class:`logging.Handler` (remove it with ``logger.removeHandler``).
     """
     target = logger if logger is not None else logging.getLogger()
     for old in [h for h in target.handlers if getattr(h, "_phalanx", False)]:

@@ -104,20 +104,16 @@ def _current() -> Any:
     return _world.current("bench")
 
 
-def _worker(args: argparse.Namespace) -> int:
-    import numpy as np
+Impl = tuple[str, Any, Callable[[Any, Any], Callable[[], Any]]]  # (name, world or None, call maker)
+
+
+def _implementations(main_world: Any, coll: str) -> list[Impl]:
+    """phalanx and its raw baseline, in pairs: over MPI (and Gloo beside it when it starts), or torch's."""
     import torch
 
-    import phalanx
-
-    torch.set_num_threads(1)
-    phalanx.init()
-    main_world = _current()
-    rank, size = main_world.rank, main_world.size
-    sizes = [_parse_size(s) for s in args.sizes.split(",")] if args.sizes else DEFAULT_SIZES
-    impls: list[tuple[str, Any, Callable[[Any, Any], Callable[[], Any]]]] = []
+    impls: list[Impl] = []
     dist = torch.distributed
-    coll = args.collective
+    rank = main_world.rank
     if main_world.backend.name == "mpi":
         MPI = main_world.backend.MPI
         raw_comm = MPI.COMM_WORLD.Dup()
@@ -134,6 +130,22 @@ def _worker(args: argparse.Namespace) -> int:
     else:
         impls.append((f"phalanx-{main_world.backend.name}", main_world, _phalanx_call(coll)))
         impls.append((f"torch.distributed-{main_world.backend.name}", None, _torch_call(coll, dist)))
+    return impls
+
+
+def _worker(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    import phalanx
+
+    torch.set_num_threads(1)
+    phalanx.init()
+    main_world = _current()
+    rank, size = main_world.rank, main_world.size
+    sizes = [_parse_size(s) for s in args.sizes.split(",")] if args.sizes else DEFAULT_SIZES
+    coll = args.collective
+    impls = _implementations(main_world, coll)
 
     def slowest(seconds: float) -> float:
         with _as_global(main_world):

@@ -24,6 +24,7 @@ from ._mpi_deaths import HOST, Watch, deaths_from
 from ._mpi_flavor import INSTALL_HINT, check_library, find_mpiexec, mpiexec_flavor, openmpi_args
 from ._procs import child_setup, descendants, kill_pids
 from ._report import failure_report, first_failure
+from ._start import StartClock
 
 __all__ = ["mpi_command", "run_mpi"]
 
@@ -64,8 +65,9 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
              pump(proc.stderr, [sys.stderr.buffer], tail=tails[1])]
     follower = FileFollower(job.log_dir, job.n, job.echo).start() if job.log_dir is not None else None
     watch = Watch(job_dir)
+    clock = StartClock(job_dir, job.n, job.start_timeout or float("inf"))
     try:
-        _Supervisor(job, proc, job_dir, signals, watch).run()
+        _Supervisor(job, proc, job_dir, signals, watch, clock).run()
     finally:
         watch.close()
         for thread in pumps:
@@ -76,6 +78,9 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
         return signals.exit_code
     if proc.returncode == 0:
         return 0
+    if clock.report is not None and not any_record(job_dir):
+        sys.stderr.write(clock.report + "\n")
+        return 1
     return _report(Path(cmd[0]).name, proc.returncode, b"".join(tails).decode(errors="replace"),
                    job_dir, watch, start)
 
@@ -84,8 +89,9 @@ class _Supervisor:
     """Watches mpiexec until it exits; ends the job itself when mpiexec does not."""
 
     def __init__(self, job: Launch, proc: subprocess.Popen[bytes], job_dir: str, signals: Signals,
-                 watch: Watch) -> None:
+                 watch: Watch, clock: StartClock) -> None:
         self.job, self.proc, self.job_dir, self.signals, self.watch = job, proc, job_dir, signals, watch
+        self.clock = clock
         self.forwarded = 0
         self.terminate_at: float | None = None  # when to SIGTERM mpiexec ourselves
         self.kill_at: float | None = None  # when to SIGKILL mpiexec and everything below it
@@ -119,6 +125,8 @@ class _Supervisor:
                 self.kill_at = self.kill_at or now + signals.stop_grace
         elif self.terminate_at is None and self.kill_at is None and any_record(self.job_dir):
             self.terminate_at = now + ABORT_GRACE  # MPI_Abort normally ends the job long before this
+        elif self.terminate_at is None and self.kill_at is None and self.clock.overdue(now):
+            self.terminate_at = now  # ranks wait in MPI_Init for one that never comes: end it now
         if self.terminate_at is not None and now >= self.terminate_at and self.kill_at is None:
             _send(self.proc, 15)
             self.kill_at = now + GRACE

@@ -5,7 +5,8 @@ Each rank gets the torch.distributed environment (``RANK``, ``WORLD_SIZE``,
 its own process group, so stopping a rank also stops what it started
 (DataLoader workers). The supervisor polls every 50 ms; the first rank that
 exits non-zero, dies by a signal or records an exception ends the job:
-SIGTERM to every other rank's group, SIGKILL after a grace period.
+SIGTERM to every other rank's group, SIGKILL after a grace period. So does
+the start timeout (:mod:`._start`) when a rank has not reached ``phalanx.init``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ._jobdir import any_record, read_records
 from ._logs import Echo, log_path, pump
 from ._procs import child_setup, stop_groups
 from ._report import Death, failure_report, first_failure
+from ._start import StartClock
 
 __all__ = ["free_port", "run_spawn"]
 
@@ -48,7 +50,44 @@ def free_port() -> int:
 
 
 def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) -> int:
+    """Start ``job.n`` ranks here, supervise them to the end; returns the exit status (report on stderr)."""
     start = time.time()
+    procs = _start_ranks(job, env)
+    # Readers start after the last fork: preexec_fn and running threads do not mix.
+    readers: list[threading.Thread] = []
+    files = []
+    if job.log_dir is not None:
+        for rank, proc in enumerate(procs):
+            assert proc.stdout is not None
+            files.append(open(log_path(job.log_dir, rank), "wb"))  # closed once its reader is done
+            readers.append(pump(proc.stdout, [files[-1]], Echo(rank, job.echo)))
+    ranks = _Ranks(procs)
+    clock = StartClock(job_dir, job.n, job.start_timeout or float("inf"))
+    while True:
+        running = ranks.reap()
+        # A recorded exception ends the job at once, before its rank has finished exiting.
+        failed = ranks.failed() or any_record(job_dir)
+        if failed or signals.received or not running or clock.overdue(time.monotonic()):
+            break
+        time.sleep(POLL)
+    if running:
+        grace = signals.stop_grace if signals.received and not failed else GRACE
+        for rank in _stop(procs, running, set(read_records(job_dir)), ranks.reap, lambda: signals.count > 1, grace):
+            ranks.deaths[rank].by_launcher = True
+    for thread in readers:
+        thread.join(timeout=5)
+    for f in files:
+        f.close()
+    if signals.received:
+        return signals.exit_code
+    if clock.report is not None and not failed:
+        sys.stderr.write(clock.report + "\n")
+        return 1
+    return _report(job_dir, ranks.deaths, start) if failed else 0
+
+
+def _start_ranks(job: Launch, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
+    """Rank r with the torch.distributed environment, in its own session; all or none started."""
     port = str(free_port())
     setup = child_setup()
     logs = job.log_dir is not None
@@ -64,47 +103,30 @@ def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) 
     except BaseException:
         stop_groups([p.pid for p in procs], lambda: [p.pid for p in procs if p.poll() is None], GRACE)
         raise
-    # Readers start after the last fork: preexec_fn and running threads do not mix.
-    readers: list[threading.Thread] = []
-    files = []
-    if job.log_dir is not None:
-        for rank, proc in enumerate(procs):
-            assert proc.stdout is not None
-            files.append(open(log_path(job.log_dir, rank), "wb"))  # closed once its reader is done
-            readers.append(pump(proc.stdout, [files[-1]], Echo(rank, job.echo)))
+    return procs
 
-    deaths: dict[int, Death] = {}
 
-    def reap() -> list[int]:
+class _Ranks:
+    """The spawned ranks and how each ended (:class:`Death`, stamped when the launcher noticed)."""
+
+    def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:
+        self.procs = procs
+        self.deaths: dict[int, Death] = {}
+
+    def reap(self) -> list[int]:
         """Note the ranks that ended since the last look; return those still running."""
         now = time.time()
-        for rank, proc in enumerate(procs):
-            if rank not in deaths and (code := proc.poll()) is not None:
-                deaths[rank] = Death(code, now)
-        return [rank for rank in range(job.n) if rank not in deaths]
+        for rank, proc in enumerate(self.procs):
+            if rank not in self.deaths and (code := proc.poll()) is not None:
+                self.deaths[rank] = Death(code, now)
+        return [rank for rank in range(len(self.procs)) if rank not in self.deaths]
 
-    while True:
-        running = reap()
-        # A recorded exception ends the job at once, before its rank has finished exiting.
-        failed = any(d.code != 0 for d in deaths.values()) or any_record(job_dir)
-        if failed or signals.received or not running:
-            break
-        time.sleep(POLL)
+    def failed(self) -> bool:
+        return any(d.code != 0 for d in self.deaths.values())
 
-    if running:
-        grace = signals.stop_grace if signals.received and not failed else GRACE
-        stopped = _stop(procs, running, set(read_records(job_dir)), reap, lambda: signals.count > 1, grace)
-        for rank in stopped:
-            deaths[rank].by_launcher = True
-    for thread in readers:
-        thread.join(timeout=5)
-    for f in files:
-        f.close()
 
-    if signals.received:
-        return signals.exit_code
-    if not failed:
-        return 0
+def _report(job_dir: str, deaths: dict[int, Death], start: float) -> int:
+    """Print the failure report; return the first failing rank's own exit status (1 if unknown)."""
     records = read_records(job_dir)
     first = first_failure(records, deaths)
     sys.stderr.write(failure_report(first, start, records, deaths) + "\n")
