@@ -19,19 +19,15 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from .._devices import parse_device
+from .._devices import cuda_count, parse_device
 from .._errors import InvalidArgumentError
 
-__all__ = ["cuda_count", "resolve_devices", "withdevices"]
+__all__ = ["resolve_devices", "withdevices"]
 
 T = TypeVar("T")
 
 
 # -- devices -------------------------------------------------------------------------------------
-
-def cuda_count() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
 
 def resolve_devices(call: str, devices: Any) -> list[torch.device]:
     """``devices`` as a list of torch.device: None (every GPU), an int k, or a list of devices."""
@@ -47,18 +43,7 @@ def resolve_devices(call: str, devices: Any) -> list[torch.device]:
             f"phalanx.torch.{call}(devices={devices!r}): pass a list of devices, e.g. "
             "`['cuda:0', 'cuda:1']` or `['cpu', 'cpu']`, or an int k.")
     if isinstance(devices, (int, np.integer)):
-        k = int(devices)
-        if k < 1:
-            raise InvalidArgumentError(
-                f"phalanx.torch.{call}(devices={k}): the number of replicas must be at least 1.")
-        if gpus == 0:
-            return [torch.device("cpu")] * k
-        if k > gpus:
-            raise InvalidArgumentError(
-                f"phalanx.torch.{call}(devices={k}): asked for the first {k} GPUs, but {gpus} "
-                f"{'is' if gpus == 1 else 'are'} visible. Pass at most {gpus}, or a list of devices "
-                "(e.g. `['cpu'] * k` for CPU replicas).")
-        return [torch.device("cuda", i) for i in range(k)]
+        return _first(call, int(devices), gpus)
     try:
         items = list(devices)
     except TypeError:
@@ -67,11 +52,22 @@ def resolve_devices(call: str, devices: Any) -> list[torch.device]:
             "(every visible GPU).") from None
     if not items:
         raise InvalidArgumentError(f"phalanx.torch.{call}(devices=[]): pass at least one device.")
-    return [_one_device(call, d, gpus) for d in items]
+    return [parse_device(f"torch.{call}", d, gpus) for d in items]
 
 
-def _one_device(call: str, spec: Any, gpus: int) -> torch.device:
-    return parse_device(f"torch.{call}", spec, gpus)
+def _first(call: str, k: int, gpus: int) -> list[torch.device]:
+    """``devices=k``: the first k GPUs, or k CPU replicas on a machine without GPU."""
+    if k < 1:
+        raise InvalidArgumentError(
+            f"phalanx.torch.{call}(devices={k}): the number of replicas must be at least 1.")
+    if gpus == 0:
+        return [torch.device("cpu")] * k
+    if k > gpus:
+        raise InvalidArgumentError(
+            f"phalanx.torch.{call}(devices={k}): asked for the first {k} GPUs, but {gpus} "
+            f"{'is' if gpus == 1 else 'are'} visible. Pass at most {gpus}, or a list of devices "
+            "(e.g. `['cpu'] * k` for CPU replicas).")
+    return [torch.device("cuda", i) for i in range(k)]
 
 
 # -- withdevices ---------------------------------------------------------------------------------
