@@ -17,34 +17,22 @@ from phalanx.testing import WorldFailed, run_world
 OP_TIMEOUT = 4.0
 
 
+@pytest.mark.parametrize("behaviour", bodies.MISMATCHES.names)
 @pytest.mark.parametrize("backend,n", world_params(MULTI_WORLDS))
-def test_mismatched_calls_raise_on_every_rank(backend: str, n: int) -> None:
-    results = run_world(bodies.mismatches, n, backend, op_timeout=OP_TIMEOUT)
-    for messages in results:
-        assert set(messages) == set(bodies.MISMATCHES)
-        shape = messages["shape"]
-        assert "phalanx.allreduce" in shape and "float64[3]" in shape and "float64[4]" in shape
-        assert "rank 0:" in shape and "rank 1:" in shape and "nothing was sent" in shape
-        assert "float64[2, 3]" in messages["same_numel_other_shape"]
-        assert "float32[3]" in messages["dtype"] and "int32[3]" in messages["dtype"]
-        assert "op='sum'" in messages["op"] and "op='max'" in messages["op"]
-        assert "root=0" in messages["root"] and "root=1" in messages["root"]
-        assert "broadcast(" in messages["call"] and "allreduce(" in messages["call"]
-        assert "barrier(" in messages["skip"] and "same order" in messages["skip"]
-        assert "phalanx.iallreduce" in messages["nonblocking"] and "float64[3]" in messages["nonblocking"]
-        ranks_view = {k: v.split("\n")[1:] for k, v in messages.items()}
-        assert ranks_view == {k: v.split("\n")[1:] for k, v in results[0].items()}, "all ranks see the same"
+def test_mismatched_calls_raise_on_every_rank(worlds, backend: str, n: int, behaviour: str) -> None:
+    worlds.check(bodies.mismatches, backend, n, behaviour, op_timeout=OP_TIMEOUT)
 
 
+@pytest.mark.parametrize("behaviour", bodies.CALL_SITE.names)
 @pytest.mark.parametrize("backend,n", world_params([("mpi", 2), ("gloo", 2)]))
-def test_debug_mode_catches_calls_out_of_order(backend: str, n: int) -> None:
-    results = run_world(bodies.call_site_mismatch, n, backend, env={"PHALANX_DEBUG": "1"})
-    assert all("site differs" in msg and "worlds_failures.py:" in msg for msg in results), results[0]
+def test_debug_mode_catches_calls_out_of_order(worlds, backend: str, n: int, behaviour: str) -> None:
+    worlds.check(bodies.call_site_mismatch, backend, n, behaviour, env={"PHALANX_DEBUG": "1"})
 
 
+@pytest.mark.parametrize("behaviour", bodies.BAD_INPUT.names)
 @pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
-def test_bad_input_fails_before_anything_is_sent(backend: str, n: int) -> None:
-    assert run_world(bodies.bad_input, n, backend, op_timeout=OP_TIMEOUT) == list(range(n))
+def test_bad_input_fails_before_anything_is_sent(worlds, backend: str, n: int, behaviour: str) -> None:
+    worlds.check(bodies.bad_input, backend, n, behaviour, op_timeout=OP_TIMEOUT)
 
 
 @pytest.mark.parametrize("backend,n", world_params(MULTI_WORLDS))

@@ -5,43 +5,77 @@ from __future__ import annotations
 import os
 import signal
 import time
+import zlib
 
 import numpy as np
 
 import phalanx
+from behaviours import Behaviours
 
-MISMATCHES = ["shape", "same_numel_other_shape", "dtype", "op", "root", "call", "skip", "nonblocking"]
+MISMATCHES = Behaviours()
+_mismatch = MISMATCHES.add
 
 
-def mismatches() -> dict[str, str]:
+def _same_on_every_rank(text: str, what: str) -> None:
+    """Every rank raised the same message (past its first line, which names the local call)."""
+    mine = zlib.crc32("\n".join(text.split("\n")[1:]).encode())
+    assert len(set(phalanx.allgather(np.int64(mine)).tolist())) == 1, f"{what}: ranks saw different errors"
+
+
+def _expect_mismatch(attempt, *needles: str, what: str) -> None:
+    """``attempt()`` raises CollectiveMismatchError on this rank, naming ``needles``; the world stays usable."""
+    n = phalanx.size()
+    try:
+        attempt()
+    except phalanx.CollectiveMismatchError as exc:
+        text = str(exc)
+    else:
+        raise AssertionError(f"mismatch {what!r} was not detected on rank {phalanx.rank()}")
+    missing = [s for s in needles if s not in text]
+    assert not missing, f"{missing} not in: {text}"
+    _same_on_every_rank(text, what)
+    assert phalanx.allreduce(1) == n, f"world unusable after the {what!r} mismatch"
+
+
+def _r() -> int:
+    return phalanx.rank()
+
+
+_mismatch("shape-names-both-shapes-and-ranks", lambda: _expect_mismatch(
+    lambda: phalanx.allreduce(np.ones(3 + _r())), "phalanx.allreduce", "float64[3]", "float64[4]",
+    "rank 0:", "rank 1:", "nothing was sent", what="shape"))
+_mismatch("same-numel-other-shape", lambda: _expect_mismatch(
+    lambda: phalanx.allreduce(np.ones((2, 3) if _r() == 0 else (3, 2))), "float64[2, 3]", what="numel"))
+_mismatch("dtype-names-both-dtypes", lambda: _expect_mismatch(
+    lambda: phalanx.allreduce(np.ones(3, np.float32 if _r() == 0 else np.int32)), "float32[3]", "int32[3]",
+    what="dtype"))
+_mismatch("op-names-both-ops", lambda: _expect_mismatch(
+    lambda: phalanx.allreduce(np.ones(3), op="sum" if _r() == 0 else "max"), "op='sum'", "op='max'",
+    what="op"))
+_mismatch("root-names-both-roots", lambda: _expect_mismatch(
+    lambda: phalanx.broadcast(np.ones(3), root=0 if _r() == 0 else 1), "root=0", "root=1", what="root"))
+_mismatch("call-names-both-collectives", lambda: _expect_mismatch(
+    lambda: phalanx.allreduce(np.ones(3)) if _r() == 0 else phalanx.broadcast(np.ones(3)),
+    "broadcast(", "allreduce(", what="call"))
+# rank 1 skips the allreduce: its next call (a barrier) pairs with the others' allreduce
+_mismatch("skipped-call-names-where-each-rank-is", lambda: _expect_mismatch(
+    lambda: phalanx.barrier() if _r() == 1 else (phalanx.allreduce(np.ones(3)), phalanx.barrier()),
+    "barrier(", "same order", "Where each rank is:", "rank 1 at barrier (call #", what="skip"))
+_mismatch("nonblocking-mismatch-raises-from-wait", lambda: _expect_mismatch(
+    lambda: phalanx.iallreduce(np.ones(2 + _r())).wait(), "phalanx.iallreduce", "float64[3]",
+    what="nonblocking"))
+
+
+def mismatches() -> dict[str, str | None]:
     """Each mismatch raises CollectiveMismatchError on every rank; the world stays usable."""
-    r, n = phalanx.rank(), phalanx.size()
-    x = np.ones(3)
-    attempts = {
-        "shape": lambda: phalanx.allreduce(np.ones(3 + r)),
-        "same_numel_other_shape": lambda: phalanx.allreduce(np.ones((2, 3) if r == 0 else (3, 2))),
-        "dtype": lambda: phalanx.allreduce(np.ones(3, np.float32 if r == 0 else np.int32)),
-        "op": lambda: phalanx.allreduce(x, op="sum" if r == 0 else "max"),
-        "root": lambda: phalanx.broadcast(x, root=0 if r == 0 else 1),
-        "call": lambda: phalanx.allreduce(x) if r == 0 else phalanx.broadcast(x),
-        # rank 1 skips the allreduce: its next call (a barrier) pairs with the others' allreduce
-        "skip": lambda: phalanx.barrier() if r == 1 else (phalanx.allreduce(x), phalanx.barrier()),
-        "nonblocking": lambda: phalanx.iallreduce(np.ones(2 + r)).wait(),
-    }
-    messages = {}
-    for name in MISMATCHES:
-        try:
-            attempts[name]()
-        except phalanx.CollectiveMismatchError as exc:
-            messages[name] = str(exc)
-        else:
-            raise AssertionError(f"mismatch {name!r} was not detected on rank {r}")
-        assert phalanx.allreduce(1) == n, f"world unusable after the {name!r} mismatch"
-    return messages
+    return MISMATCHES.run()
 
 
-def call_site_mismatch() -> str:
-    """Debug mode: the same collective reached from different lines (calls out of order)."""
+CALL_SITE = Behaviours()
+
+
+@CALL_SITE.behaviour("debug-mode-names-the-call-sites")
+def _() -> None:
     x = np.ones(2)
     try:
         if phalanx.rank() == 0:
@@ -49,48 +83,71 @@ def call_site_mismatch() -> str:
         else:
             phalanx.allreduce(x)  # ... pairs with a different call site on rank 1
     except phalanx.CollectiveMismatchError as exc:
-        return str(exc)
-    raise AssertionError("debug mode did not catch the call-site mismatch")
+        assert "site differs" in str(exc) and "worlds_failures.py:" in str(exc), str(exc)
+    else:
+        raise AssertionError("debug mode did not catch the call-site mismatch")
 
 
-def bad_input() -> int:
-    """Rank 0 makes bad calls that fail locally before anything is sent; then all ranks agree."""
+def call_site_mismatch() -> dict[str, str | None]:
+    """Debug mode: the same collective reached from different lines (calls out of order)."""
+    return CALL_SITE.run()
+
+
+BAD_INPUT = Behaviours()
+
+
+def _bad(name: str, call, kind: type, fragment: str) -> None:
+    """Rank 0 makes a bad call that fails locally before anything is sent (the others do nothing)."""
+    def check() -> None:
+        if phalanx.rank() != 0:
+            return
+        try:
+            call(phalanx.size())
+        except phalanx.PhalanxError as exc:
+            assert isinstance(exc, kind), f"{type(exc).__mro__} is not a {kind}"
+            assert fragment in str(exc), f"{fragment!r} not in {exc}"
+            assert "phalanx." in str(exc), f"the error does not name the call: {exc}"
+        else:
+            raise AssertionError("a bad call was accepted")
+
+    BAD_INPUT.add(name, check)
+
+
+def _torch_ones(*shape: int):
     import torch
 
-    r, n = phalanx.rank(), phalanx.size()
-    if r == 0:
-        bad = [
-            (lambda: phalanx.broadcast(np.ones(2), root=n), ValueError, "root"),
-            (lambda: phalanx.reduce(np.ones(2), root=-1), ValueError, "root"),
-            (lambda: phalanx.gather(np.ones(2), root=1.0), ValueError, "root"),
-            (lambda: phalanx.allreduce(np.ones(2), op="mean"), ValueError, "unknown op"),
-            (lambda: phalanx.allreduce(np.ones(2, np.int64), op="avg"), TypeError, "avg"),
-            (lambda: phalanx.allreduce(np.ones(2, bool)), TypeError, "bool"),
-            (lambda: phalanx.allreduce(np.ones(2, np.complex64)), TypeError, "complex64"),
-            (lambda: phalanx.allreduce(np.ones(2, np.uint16)), TypeError, "uint16"),
-            (lambda: phalanx.allreduce(np.ones((3, 4))[:, ::2]), TypeError, "contiguous"),
-            (lambda: phalanx.allreduce(torch.ones(3, 4).t()), TypeError, "contiguous"),
-            (lambda: phalanx.allreduce([1.0, 2.0]), TypeError, "list"),
-            (lambda: phalanx.allreduce("3"), TypeError, "str"),
-            (lambda: phalanx.alltoall(np.float64(1.0)), TypeError, "equal chunks"),
-            (lambda: phalanx.allreduce(2**70), TypeError, "int64"),
-        ]
-        if n > 1:  # any length splits into one chunk
-            bad.append((lambda: phalanx.reduce_scatter(np.ones(n * 2 + 1)), TypeError, "equal chunks"))
-        for call, kind, fragment in bad:
-            try:
-                call()
-            except phalanx.PhalanxError as exc:
-                assert isinstance(exc, kind), f"{type(exc).__mro__} is not a {kind}"
-                assert fragment in str(exc), f"{fragment!r} not in {exc}"
-                assert "phalanx." in str(exc), f"the error does not name the call: {exc}"
-            except ValueError as exc:  # plain ValueErrors name the call too
-                assert kind is ValueError and fragment in str(exc) and "phalanx." in str(exc), str(exc)
-            else:
-                raise AssertionError("a bad call was accepted")
-    # Nothing was sent by the failed calls, so this pairs correctly on every rank.
-    assert phalanx.allreduce(r + 1) == n * (n + 1) // 2
-    return r
+    return torch.ones(*shape)
+
+
+_bad("root-past-the-last-rank", lambda n: phalanx.broadcast(np.ones(2), root=n), ValueError, "root")
+_bad("negative-root", lambda n: phalanx.reduce(np.ones(2), root=-1), ValueError, "root")
+_bad("float-root", lambda n: phalanx.gather(np.ones(2), root=1.0), ValueError, "root")
+_bad("unknown-op", lambda n: phalanx.allreduce(np.ones(2), op="mean"), ValueError, "unknown op")
+_bad("avg-of-ints", lambda n: phalanx.allreduce(np.ones(2, np.int64), op="avg"), TypeError, "avg")
+_bad("sum-of-bools", lambda n: phalanx.allreduce(np.ones(2, bool)), TypeError, "bool")
+_bad("complex-dtype", lambda n: phalanx.allreduce(np.ones(2, np.complex64)), TypeError, "complex64")
+_bad("uint16-dtype", lambda n: phalanx.allreduce(np.ones(2, np.uint16)), TypeError, "uint16")
+_bad("strided-array", lambda n: phalanx.allreduce(np.ones((3, 4))[:, ::2]), TypeError, "contiguous")
+_bad("transposed-tensor", lambda n: phalanx.allreduce(_torch_ones(3, 4).t()), TypeError, "contiguous")
+_bad("list", lambda n: phalanx.allreduce([1.0, 2.0]), TypeError, "list")
+_bad("str", lambda n: phalanx.allreduce("3"), TypeError, "str")
+_bad("alltoall-of-a-scalar", lambda n: phalanx.alltoall(np.float64(1.0)), TypeError, "equal chunks")
+_bad("int-beyond-int64", lambda n: phalanx.allreduce(2**70), TypeError, "int64")
+_bad("non-int-step", lambda n: phalanx.allreduce(np.ones(2), step="2"), ValueError, "step")
+_bad("reduce-scatter-uneven-chunks",
+     lambda n: phalanx.reduce_scatter(np.ones(n * 2 + 1)) if n > 1 else phalanx.alltoall(np.float64(1.0)),
+     TypeError, "equal chunks")
+
+
+@BAD_INPUT.behaviour("nothing-was-sent-by-the-bad-calls")
+def _() -> None:
+    n = phalanx.size()
+    assert phalanx.allreduce(phalanx.rank() + 1) == n * (n + 1) // 2
+
+
+def bad_input() -> dict[str, str | None]:
+    """Rank 0 makes bad calls that fail locally before anything is sent; then all ranks agree."""
+    return BAD_INPUT.run()
 
 
 def sleeper_skips_allreduce() -> None:
