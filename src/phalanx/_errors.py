@@ -19,6 +19,7 @@ __all__ = [
     "LaunchEnvironmentError",
     "LaunchError",
     "MissingDependencyError",
+    "NonFiniteGradientError",
     "NotInitializedError",
     "PhalanxError",
     "RankFailedError",
@@ -136,3 +137,15 @@ class RendezvousError(PhalanxError, ConnectionError):
 class InvalidSettingError(PhalanxError, ValueError):
     """A ``PHALANX_*`` environment variable has a value phalanx cannot use (the message names the
     variable, the value and an example of a valid one)."""
+
+
+class NonFiniteGradientError(PhalanxError, FloatingPointError):
+    """Raised on every rank alike when some rank's *local* gradients held NaN/Inf before they were
+    reduced (``nonfinite="raise"`` on ``phalanx.torch.DistributedOptimizer``/``DataParallel``).
+
+    ``ranks`` lists the ranks whose own gradients were not finite.
+    """
+
+    def __init__(self, message: str, *, ranks: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.ranks = list(ranks or [])
