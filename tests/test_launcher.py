@@ -203,7 +203,8 @@ def test_log_dir_holds_each_ranks_output_and_the_console_shows_it_prefixed(tmp_p
 
 
 def test_a_module_runs_as_main_with_its_arguments(tmp_path: Path) -> None:
-    (tmp_path / "tool.py").write_text("import os, sys\nprint('tool', os.environ['RANK'], sys.argv[1:])\n")
+    # One write per line: the ranks share the console, and print() writes piece by piece.
+    (tmp_path / "tool.py").write_text("import os, sys\nos.write(1, f\"tool {os.environ['RANK']} {sys.argv[1:]}\\n\".encode())\n")
     out = phalanx_cli("run", "-n", "2", "--backend", "gloo", "-m", "tool", "--lr", "3", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert sorted(out.stdout.splitlines()) == ["tool 0 ['--lr', '3']", "tool 1 ['--lr', '3']"]
