@@ -53,7 +53,9 @@ __all__ = [
 
 # Collective codes in fingerprints (and names in messages).
 CALLS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "reduce_scatter", "alltoall",
-         "barrier", "iallreduce", "ibroadcast", "broadcast_object", "allgather_object", "shutdown")
+         "barrier", "iallreduce", "ibroadcast", "broadcast_object", "allgather_object", "shutdown",
+         # the gradient engine's step agreements (phalanx.torch, check_steps)
+         "torch.DistributedOptimizer", "torch.DistributedOptimizer.step", "torch.DataParallel")
 CALL_CODES = {name: i for i, name in enumerate(CALLS)}
 OP_CODES = {name: i for i, name in enumerate(OPS)}
 _MASK = (1 << 62) - 1
