@@ -139,7 +139,8 @@ class World:
         if buf is not None:
             key += (buf.code, buf.shape)
         if step is not None:
-            key += (None, step)  # None: a step can never look like a buffer's fields
+            key += (-2, step)  # a marker, so a step never looks like a buffer's fields (not None: its
+            # hash is its address before Python 3.12, different in every process)
         signature = hash(key)
         if self.debug:
             signature ^= zlib.crc32(_call_site().encode()) << 20

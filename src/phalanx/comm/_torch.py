@@ -36,7 +36,7 @@ from ._wait import poll
 
 __all__ = ["TorchBackend"]
 
-_TEARDOWN_S = 5.0  # destroying the process group may block on a peer that is gone: then give up
+_TEARDOWN_S = 2.0  # destroying the process group may block on a peer that is gone: then give up
 
 
 class _Request:
