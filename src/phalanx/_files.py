@@ -19,6 +19,8 @@ import os
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
+from ._errors import InvalidArgumentError
+
 __all__ = ["fsync_directory", "temporary_name", "write_atomically"]
 
 
@@ -54,7 +56,7 @@ def write_atomically(path: str | os.PathLike[str], mode: str = "wb", *, durable:
     created. On any exception the temporary file is removed and the exception propagates.
     """
     if mode not in ("w", "wb"):
-        raise ValueError(f"write_atomically(mode={mode!r}): use 'w' or 'wb'")
+        raise InvalidArgumentError(f"phalanx._files.write_atomically(mode={mode!r}): use 'w' (text) or 'wb' (binary)")
     target = os.fspath(path)
     directory = os.path.dirname(target)
     if directory:
