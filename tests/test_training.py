@@ -16,6 +16,7 @@ import os
 import pytest
 
 import worlds_training as bodies
+import worlds_training_faults as faults
 from conftest import ALL_WORLDS, world_params
 
 MULTI_RANK = [world for world in ALL_WORLDS if world[1] > 1]
@@ -33,6 +34,20 @@ def test_training(worlds, backend: str, n: int, behaviour: str) -> None:
 @pytest.mark.parametrize("backend,n", world_params(MULTI_RANK))
 def test_training_across_ranks(worlds, backend: str, n: int, behaviour: str) -> None:
     worlds.check(bodies.training, backend, n, behaviour, **TRAINING_WORLD)  # the same world as above
+
+
+@pytest.mark.parametrize("behaviour", faults.FAULTS.names)
+@pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
+def test_training_faults(worlds, backend: str, n: int, behaviour: str) -> None:
+    # issue 9 item 2: nonfinite="raise"/"skip" on DistributedOptimizer and DataParallel
+    worlds.check(bodies.training, backend, n, behaviour, **TRAINING_WORLD)  # the training world
+
+
+@pytest.mark.parametrize("behaviour", faults.FAULTS_ACROSS.names)
+@pytest.mark.parametrize("backend,n", world_params(MULTI_RANK))
+def test_training_faults_across_ranks(worlds, backend: str, n: int, behaviour: str) -> None:
+    # issue 9 item 5: check_steps and step(step=s) name the rank that skipped
+    worlds.check(bodies.training, backend, n, behaviour, **TRAINING_WORLD)  # the training world
 
 
 @pytest.mark.parametrize("behaviour", bodies.COMPILED.names)

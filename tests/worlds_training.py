@@ -513,10 +513,14 @@ TRAINING.add("reentrant-activation-checkpointing-nested-backward-trains-the-same
 
 def training() -> dict[str, str | None]:
     """Every behaviour above, in one world (those across ranks on 2 or more)."""
+    import worlds_training_faults as faults  # it imports this module's helpers
+
     torch, pt, r, n = _setup()
     report = TRAINING.run()
+    report.update(faults.FAULTS.run())
     if n > 1:
         report.update(ACROSS_RANKS.run())
+        report.update(faults.FAULTS_ACROSS.run())
     return report
 
 

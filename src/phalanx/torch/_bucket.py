@@ -30,6 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .._errors import InvalidArgumentError, UsageError
 from .._world import current
 from ._common import Compression, GradientOp, backend_call, verify_same_structure
+from ._finite import NonFinitePolicy, any_set, check_and_scale, nonfinite_error, ranks_with
 
 __all__ = ["GradientBuckets", "check_options"]
 
@@ -53,13 +54,15 @@ def check_options(call: str, op: Any, bucket_cap_mb: Any, compression: Any) -> N
 
 
 class _Bucket:
-    __slots__ = ("params", "flat", "presence", "wire", "request", "absent")
+    __slots__ = ("params", "flat", "grads", "presence", "flag", "found", "wire", "request", "absent")
 
-    def __init__(self, params: list[int], flat: torch.Tensor, presence: torch.Tensor,
-                 wire: torch.Tensor | None) -> None:
+    def __init__(self, params: list[int], flat: torch.Tensor, numel: int, wire: torch.Tensor | None) -> None:
         self.params = params      # parameter indices, in layout order
-        self.flat = flat          # gradients, then one presence slot per parameter
-        self.presence = presence  # view of the slots
+        self.flat = flat          # gradients, one presence slot per parameter, one non-finite flag
+        self.grads = flat[:numel]
+        self.presence = flat[numel:numel + len(params)]
+        self.flag = flat[-1:]     # with check_finite: 1 on a rank whose own gradients were not finite
+        self.found = torch.zeros(1, dtype=torch.float32, device=flat.device)  # this rank's flag
         self.wire = wire          # 16-bit copy of flat when compressed
         self.request: Any = None  # the backend request in flight
         self.absent: list[int] = []  # positions (in params) with no local gradient this cycle
@@ -106,6 +109,14 @@ class GradientBuckets:
         self._passes = 0    # backward passes accumulated since the last reduction
         self.reductions = 0
         self.unreduced = False  # local gradients changed by a pass that did not reduce
+        self._check_finite = False
+        self._local_bad: dict[torch.device, torch.Tensor] = {}  # this rank's flags since take_local_finite
+        self.on_nonfinite: NonFinitePolicy | None = None  # what to do when the flags say "not finite"
+        self.nonfinite_ranks: list[int] = []  # with on_nonfinite: the last reduction's non-finite ranks
+        self.skipped = 0     # reductions whose gradients were dropped (on_nonfinite="skip")
+        self.check_steps = False  # agree on step_label before each reduction
+        self.step_label = 0  # the step the next reduction belongs to
+        self.steps_by_reduction = True  # each reduction advances step_label (DistributedOptimizer: step())
         self._claim()
         ref = weakref.ref(self)
         handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref, i))
@@ -140,7 +151,7 @@ class GradientBuckets:
         for b, (_, indices) in enumerate(closed):
             first = self._params[indices[0]]
             numel = sum(self._params[i].numel() for i in indices)
-            flat = torch.zeros(numel + len(indices), dtype=first.dtype, device=first.device)
+            flat = torch.zeros(numel + len(indices) + 1, dtype=first.dtype, device=first.device)
             offset = 0
             for i in indices:
                 p = self._params[i]
@@ -149,12 +160,15 @@ class GradientBuckets:
                 offset += p.numel()
             compress = wire_dtype is not None and first.dtype.itemsize > 2
             wire = torch.empty(flat.numel(), dtype=wire_dtype, device=first.device) if compress else None
-            self._buckets.append(_Bucket(indices, flat, flat[numel:], wire))
+            self._buckets.append(_Bucket(indices, flat, numel, wire))
+        self._factors = {device: (torch.full((1,), self._scale, dtype=torch.float32, device=device),
+                                  torch.ones(1, dtype=torch.float32, device=device))
+                         for device in {b.flat.device for b in self._buckets}}
 
     @property
     def bucket_sizes(self) -> list[int]:
         """Bytes of gradients per bucket, in launch order (for tests and tuning)."""
-        return [(b.flat.numel() - len(b.params)) * b.flat.element_size() for b in self._buckets]
+        return [b.grads.numel() * b.flat.element_size() for b in self._buckets]
 
     def _claim(self) -> None:
         """Make this engine the only one reducing its parameters (a newer wrapper takes over)."""
@@ -238,7 +252,18 @@ class GradientBuckets:
         bucket.presence.fill_(1)
         if self._remaining[b]:
             self._fill_missing(bucket)
-        if self._scale != 1.0:
+        if b == 0 and self.check_steps:
+            self._agree_step()
+        if self._check_finite:  # this rank's own gradients, before they are mixed with the others'
+            device = bucket.flat.device
+            check_and_scale(bucket.grads, bucket.found, self._scale, *self._factors[device])
+            bucket.flag.copy_(bucket.found)
+            bad = self._local_bad.get(device)
+            if bad is None:
+                self._local_bad[device] = bucket.found.clone()
+            else:
+                bad.add_(bucket.found)
+        elif self._scale != 1.0:
             bucket.flat.mul_(self._scale)
         send = bucket.flat if bucket.wire is None else bucket.wire.copy_(bucket.flat)
         world = self._world
@@ -282,19 +307,69 @@ class GradientBuckets:
                 if bucket.request is not None:
                     self._complete(bucket)
         finally:
-            self._cycle += 1
-            self._remaining = [len(b.params) for b in self._buckets]
-            self._launched = self._tested = 0
-            self._open = False
-            self._passes = 0
+            self._close_cycle()
         self.unreduced = False
         self.reductions += 1
+        if self.steps_by_reduction:
+            self.step_label += 1
+        if self._check_finite and self.on_nonfinite is not None:
+            self._act_on_nonfinite()
+
+    def _close_cycle(self) -> None:
+        self._cycle += 1
+        self._remaining = [len(b.params) for b in self._buckets]
+        self._launched = self._tested = 0
+        self._open = False
+        self._passes = 0
+
+    def _agree_step(self) -> None:
+        """Before the first bucket of a reduction: every rank reduces for the same step (else the same
+        CollectiveMismatchError on every rank, naming each rank's step, before any gradient moves)."""
+        try:
+            self._world.enter(self.call, None, None, -1, self.step_label)
+        except BaseException:
+            self._close_cycle()  # nothing was launched: the next backward starts afresh
+            raise
+
+    def _act_on_nonfinite(self) -> None:
+        """After a reduction: if the summed flags say some rank's own gradients were not finite (the
+        same on every rank), name those ranks and raise or drop the gradients, on every rank alike."""
+        self.nonfinite_ranks = []
+        if not any_set([b.flag for b in self._buckets]):
+            return
+        self.nonfinite_ranks = ranks_with(any_set([b.found for b in self._buckets]))
+        if self.on_nonfinite == "raise":
+            raise nonfinite_error(self.call, self.nonfinite_ranks)
+        for p in self._params:  # optimizers skip parameters without a gradient: the step changes nothing
+            p.grad = None
+        self.skipped += 1
 
     # -- what the wrappers call --------------------------------------------------
     @property
     def in_flight(self) -> bool:
         """True while a reduction cycle is open (between its first launch and its completion)."""
         return self._open
+
+    @property
+    def check_finite(self) -> bool:
+        """Note, at each launch, whether this rank's own gradients were finite (read with
+        :meth:`take_local_finite`), and carry the flag in the bucket (summed over ranks)."""
+        return self._check_finite
+
+    @check_finite.setter
+    def check_finite(self, on: bool) -> None:
+        if not on and self._check_finite and not self._open:
+            for bucket in self._buckets:  # no stale flag travels while the check is off
+                bucket.flag.zero_()
+        self._check_finite = bool(on)
+
+    def take_local_finite(self) -> bool:
+        """With ``check_finite``: whether this rank's local gradients in every bucket launched since the
+        last call were finite (NaN/Inf-free) before the reduction; resets. True when nothing was checked."""
+        bad = any_set(list(self._local_bad.values())) if self._local_bad else False
+        for flag in self._local_bad.values():
+            flag.zero_()
+        return not bad
 
     def reduce(self) -> None:
         """Complete the open reduction, or reduce the current gradients now if none is open.

@@ -24,8 +24,10 @@ import torch
 
 from .._errors import InvalidArgumentError, UsageError
 from .._sync import synchronize
+from .._world import current
 from ._bucket import GradientBuckets, check_options
 from ._common import Compression, GradientOp
+from ._finite import NonFinitePolicy, check_policy
 
 __all__ = ["DistributedOptimizer"]
 
@@ -71,6 +73,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         named_parameters: e.g. ``model.named_parameters()``, to name
             parameters in error messages.
 
+    Failures (both off by default, at no cost):
+        nonfinite: check each rank's *own* gradients for NaN/Inf as they are
+            scaled for the reduction (one fused pass) and carry the flag in
+            the buckets. ``"raise"``: the reducing backward (or ``step()``)
+            raises NonFiniteGradientError on every rank, naming the ranks;
+            ``"skip"``: every rank drops the gradients and ``step()`` applies
+            no update. :meth:`nonfinite_ranks` names the ranks either way.
+            Leave it off with ``GradScaler``, whose skipped inf steps are
+            expected (it already skips them on every rank alike).
+        check_steps: before each reduction the ranks agree on this
+            optimizer's step count (one small agreement per step), so a rank
+            that skipped ``step()`` is named in a CollectiveMismatchError on
+            every rank before any gradient moves. Default: on when
+            ``PHALANX_DEBUG=1``. ``step(step=s)`` also checks your own label.
+
     Raises:
         InvalidArgumentError: a bad argument (not a plain optimizer, an
             unknown ``op``/``compression``, a bucket size or pass count <= 0).
@@ -78,13 +95,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             shapes, dtypes, order), on every rank alike, naming the first one.
         UsageError: ``zero_grad()`` while reductions are in flight, or
             another wrapper reduces some of these parameters and others too.
+        NonFiniteGradientError: with ``nonfinite="raise"``, on every rank.
         CollectiveTimeoutError, RankFailedError: a peer stopped reducing.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, op: GradientOp = "avg", bucket_cap_mb: float = 25,
                  compression: Compression | None = None, backward_passes_per_step: int = 1,
                  broadcast_parameters: bool = True,
-                 named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+                 named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                 nonfinite: NonFinitePolicy | None = None, check_steps: bool | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DistributedOptimizer):
             raise InvalidArgumentError(
                 f"phalanx.{_CALL}(optimizer={type(optimizer).__name__}): pass a plain torch optimizer, "
@@ -107,6 +126,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._options = {"op": op, "bucket_cap_mb": bucket_cap_mb, "compression": compression}
         self._passes = k
         self._names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
+        self._nonfinite = check_policy(_CALL, nonfinite)
+        self._check_steps = current(_CALL).debug if check_steps is None else bool(check_steps)
         self._engine = self._make_engine()  # first: it checks that the ranks wrap the same parameters
         if broadcast_parameters:
             self._broadcast(self._all_params())
@@ -155,7 +176,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for k, p in enumerate(group["params"]):
                 params.append(p)
                 names.append(self._names.get(id(p), f"param_groups[{g}]['params'][{k}]"))
-        return GradientBuckets(params, names, call=_CALL, passes_per_reduction=self._passes, **self._options)
+        engine = GradientBuckets(params, names, call=_CALL, passes_per_reduction=self._passes, **self._options)
+        engine.on_nonfinite = self._nonfinite
+        engine.check_finite = self._nonfinite is not None
+        engine.check_steps = self._check_steps
+        engine.steps_by_reduction = False  # step() advances the label: a rank that skips step() is named
+        return engine
+
+    @property
+    def nonfinite(self) -> NonFinitePolicy | None:
+        """The non-finite gradient policy: None (no check), ``"raise"`` or ``"skip"``; settable."""
+        return self._nonfinite
+
+    @nonfinite.setter
+    def nonfinite(self, policy: NonFinitePolicy | None) -> None:
+        self._nonfinite = self._engine.on_nonfinite = check_policy(_CALL, policy)
+        self._engine.check_finite = policy is not None
+
+    def nonfinite_ranks(self) -> list[int]:
+        """The ranks whose own gradients held NaN/Inf in the last reduction ([] if none, or without
+        ``nonfinite``); the same list on every rank."""
+        return list(self._engine.nonfinite_ranks)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group to the wrapped optimizer (collective: every rank must add the same)."""
@@ -167,6 +208,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         engine.close()
         self._engine = self._make_engine()
+        self._engine.step_label = engine.step_label
         self._broadcast(list(self.optimizer.param_groups[-1]["params"]))
         self._reduced_at_step = self._engine.reductions
 
@@ -182,15 +224,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._needs_reduction():
             self._engine.reduce()  # reductions now exceeds _reduced_at_step: step() will not reduce
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None, *,  # type: ignore[override]
+             step: int | None = None) -> Any:
         """Reduce what backward did not (see :meth:`reduce_gradients`), then step the wrapped optimizer.
 
-        With a ``closure`` (LBFGS) every backward inside it reduces, so nothing is reduced before.
+        Arguments:
+            closure: as torch's (LBFGS); every backward inside it reduces, so nothing is reduced before.
+            step: an optional int label, e.g. the loop's step counter, the same on every rank. The
+                ranks agree on it before the update is applied (one small agreement), so a rank that
+                skipped an iteration raises the same CollectiveMismatchError on every rank, naming each
+                rank's step, instead of mixing steps; from then on ``check_steps`` is on.
+
+        Returns what the wrapped optimizer's ``step`` returns (None when ``nonfinite="skip"`` dropped
+        this step's gradients: then no update is applied, on every rank).
         """
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+            raise InvalidArgumentError(f"phalanx.{_CALL}.step(step={step!r}): the step label must be an "
+                                       "int (e.g. the loop's step counter), the same on every rank, or None.")
+        engine = self._engine
         if closure is None and self._needs_reduction():
-            self._engine.reduce()
-        result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        self._reduced_at_step = self._engine.reductions
+            engine.reduce()
+        if step is not None:
+            engine._world.enter(f"{_CALL}.step", None, None, -1, step)
+            engine.check_steps = self._check_steps = True  # agreements pair with agreements from now on
+        if engine.on_nonfinite == "skip" and engine.nonfinite_ranks:
+            result = None  # the gradients were dropped on every rank alike
+        else:
+            result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self._reduced_at_step = engine.reductions
+        engine.step_label += 1
         return result
 
     def _needs_reduction(self) -> bool:

@@ -23,6 +23,7 @@ from .._sync import synchronize
 from .._world import current
 from ._bucket import GradientBuckets, check_options
 from ._common import Compression, GradientOp, backend_call
+from ._finite import NonFinitePolicy, check_policy
 
 __all__ = ["DataParallel"]
 
@@ -86,18 +87,33 @@ class DataParallel(torch.nn.Module):
             construction (a buffer later replaced by a new tensor is not
             broadcast).
 
+    Failures (both off by default, at no cost):
+        nonfinite: check each rank's *own* gradients for NaN/Inf as they are
+            scaled for the reduction (one fused pass; the flag travels in the
+            buckets). ``"raise"``: ``backward()`` raises NonFiniteGradientError
+            on every rank, naming the ranks; ``"skip"``: every rank drops the
+            gradients (``.grad = None``), so the optimizer's next ``step()``
+            changes nothing. :meth:`nonfinite_ranks` names the ranks.
+        check_steps: before each reduction the ranks agree on the number of
+            reductions so far (one small agreement per step), so a rank that
+            reduced once more or less is named on every rank before any
+            gradient moves. Default: on when ``PHALANX_DEBUG=1``.
+
     Raises:
         InvalidArgumentError: an unknown ``op``/``compression`` or a bucket size <= 0.
         CollectiveMismatchError: the ranks wrap different parameters, on every
             rank alike, naming the first one.
         UsageError: another wrapper reduces some of these parameters and others too.
+        NonFiniteGradientError: with ``nonfinite="raise"``, from backward, on every rank.
         CollectiveTimeoutError, RankFailedError: a peer stopped reducing.
     """
 
     def __init__(self, module: torch.nn.Module, *, op: GradientOp = "avg", bucket_cap_mb: float = 25,
-                 compression: Compression | None = None, broadcast_buffers: bool = True) -> None:
+                 compression: Compression | None = None, broadcast_buffers: bool = True,
+                 nonfinite: NonFinitePolicy | None = None, check_steps: bool | None = None) -> None:
         super().__init__()
         check_options(_CALL, op, bucket_cap_mb, compression)
+        check_policy(_CALL, nonfinite)
         self.module = module
         self.broadcast_buffers = bool(broadcast_buffers)
         self._world = current(_CALL)
@@ -105,11 +121,28 @@ class DataParallel(torch.nn.Module):
         # The engine first: it checks that the ranks wrap the same parameters, naming the first difference.
         self._engine = GradientBuckets([p for _, p in named], [n for n, _ in named], call=_CALL, op=op,
                                        bucket_cap_mb=bucket_cap_mb, compression=compression)
+        self.nonfinite = nonfinite
+        self._engine.check_steps = self._world.debug if check_steps is None else bool(check_steps)
         with torch.no_grad():
             synchronize(module, root=0)  # rank 0's parameters and buffers
         buffers = list(module.buffers())
         self._pack = _BufferPack(buffers) if buffers and self._world.size > 1 else None
         self._require_sync = True
+
+    @property
+    def nonfinite(self) -> NonFinitePolicy | None:
+        """The non-finite gradient policy: None (no check), ``"raise"`` or ``"skip"``; settable."""
+        return self._engine.on_nonfinite
+
+    @nonfinite.setter
+    def nonfinite(self, policy: NonFinitePolicy | None) -> None:
+        self._engine.on_nonfinite = check_policy(_CALL, policy)
+        self._engine.check_finite = policy is not None
+
+    def nonfinite_ranks(self) -> list[int]:
+        """The ranks whose own gradients held NaN/Inf in the last reduction ([] if none, or without
+        ``nonfinite``); the same list on every rank."""
+        return list(self._engine.nonfinite_ranks)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """``module(*args, **kwargs)``, after broadcasting rank 0's buffers in training mode."""
