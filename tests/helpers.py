@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["raise_in_backward", "requires_cuda"]
+__all__ = ["nan_in_backward", "raise_in_backward", "requires_cuda"]
 
 
 @functools.cache
@@ -22,6 +22,8 @@ def _boom() -> Any:
 
         @staticmethod
         def backward(ctx: Any, grad: Any) -> Any:
+            if ctx.exc is None:  # nan_in_backward: a finite loss whose gradients are NaN
+                return grad * float("nan"), None
             raise ctx.exc
 
     return Boom
@@ -30,6 +32,11 @@ def _boom() -> Any:
 def raise_in_backward(x: Any, exc: BaseException) -> Any:
     """``x`` unchanged, through an autograd node whose backward raises ``exc`` (a failure mid-backward)."""
     return _boom().apply(x, exc)
+
+
+def nan_in_backward(x: Any) -> Any:
+    """``x`` unchanged, through an autograd node whose backward makes every gradient below it NaN."""
+    return _boom().apply(x, None)
 
 
 def requires_cuda(gpus: int = 1) -> Any:

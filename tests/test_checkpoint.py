@@ -99,7 +99,7 @@ def test_round_trip_resumes_exactly(tmp_path: pathlib.Path, kind: str, wrap: str
                              progress={"epoch": 2, "step_in_epoch": np.int64(1), "lr": 0.05, "tag": "x"},
                              extra={"ema": torch.ones(3), "history": [1.5, 2.5]})
     assert list(state["model"]) == list(model.state_dict())  # no "_orig_mod." prefix
-    assert state["format"] == "phalanx-checkpoint" and state["version"] == 1 and state["world_size"] == 1
+    assert state["format"] == "phalanx-checkpoint" and state["version"] == 2 and state["world_size"] == 1
     assert type(state["progress"]["step_in_epoch"]) is int
     assert state["model"]["0.weight"].data_ptr() != model[0].weight.data_ptr()  # a copy, not a view
     path = pt.save_checkpoint(tmp_path / "sub" / "c.pt", state)
@@ -253,8 +253,55 @@ def test_truncated_and_corrupt_files(tmp_path: pathlib.Path) -> None:
         flipped[i] ^= 0x5A
     for damaged in (b"", data[:20], data[:len(data) // 2], data[:-30], bytes(flipped), b"hello world"):
         path.write_bytes(damaged)
-        with pytest.raises(pt.CheckpointError, match="not a complete phalanx checkpoint"):
+        with pytest.raises(pt.CheckpointError, match="not a complete phalanx checkpoint|the file is damaged"):
             pt.load_checkpoint(path)
+
+
+def _flip(path: pathlib.Path, needle: bytes, count: int = 64) -> None:
+    """Flip ``count`` bytes of ``path`` where ``needle`` (bytes of one stored tensor) sits."""
+    data = bytearray(path.read_bytes())
+    at = data.find(needle)
+    assert at >= 0, "the tensor's bytes are not in the file"
+    for i in range(at, at + count):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_in_weights_or_rng_are_caught_by_the_digest(tmp_path: pathlib.Path) -> None:
+    # Flipped weights load without error from a plain torch.save file; the SHA-256 footer catches them.
+    model = torch.nn.Linear(50, 50)
+    random.seed(5)
+    state = pt.capture_state(model=model)
+    for name, needle in (("weights", model.weight.detach().numpy().tobytes()[:256]),
+                         ("python RNG", state["rng"][0]["python"].numpy().tobytes()[16:272])):
+        path = tmp_path / f"{name}.pt"
+        pt.save_checkpoint(path, state)
+        _flip(path, needle)
+        with pytest.raises(pt.CheckpointError, match=r"damaged: its SHA-256 digest does not match") as info:
+            pt.load_checkpoint(path)
+        assert str(path) in str(info.value)
+
+
+def test_a_damaged_rng_state_is_a_checkpoint_error_and_changes_nothing() -> None:
+    # Without the digest (a state in memory, or an old file): out-of-range RNG words are refused whole.
+    model = torch.nn.Linear(3, 3)
+    state = pt.capture_state(model=model)
+    bad = {**state, "rng": [{**state["rng"][0], "python": state["rng"][0]["python"] + 2**40}]}
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    with pytest.raises(pt.CheckpointError, match="not a valid RNG state"):
+        pt.restore_state(bad, model=model)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_files_without_a_footer_load_only_at_format_version_1(tmp_path: pathlib.Path) -> None:
+    state = pt.capture_state(model=torch.nn.Linear(2, 2))
+    path = tmp_path / "old.pt"
+    torch.save({**state, "version": 1}, path)  # what phalanx wrote before the digest
+    assert pt.load_checkpoint(path)["version"] == 1
+    torch.save(state, path)  # version 2 without its footer: cut off or rewritten
+    with pytest.raises(pt.CheckpointError, match="lacks the SHA-256 footer"):
+        pt.load_checkpoint(path)
 
 
 def test_wrong_format(tmp_path: pathlib.Path) -> None:

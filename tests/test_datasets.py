@@ -28,16 +28,18 @@ from torch.utils.data import DataLoader
 import phalanx.torch as pt
 from phalanx import InvalidArgumentError
 from phalanx.train import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
     DatasetRegistry,
     ImageFolder,
     ImageNet,
+    ImageReadError,
     eval_transform,
     load_registry,
     make_tiny_imagenet,
     train_transform,
 )
 from phalanx.train import _tiny as tiny
-from phalanx.train._images import IMAGENET_MEAN, IMAGENET_STD, ImageReadError
 
 CLASSES, TRAIN, VAL, SIZE, SEED = 4, 8, 4, (40, 48), 3
 REPO = Path(__file__).resolve().parent.parent
@@ -301,6 +303,16 @@ def test_image_folder_reads_a_folder_per_class(root: str, tmp_path: Path) -> Non
 
 
 # -- fsspec ------------------------------------------------------------------------------------------
+
+def test_a_url_without_fsspec_is_a_missing_dependency(monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx import MissingDependencyError
+
+    monkeypatch.setitem(sys.modules, "fsspec", None)  # import fsspec now fails
+    monkeypatch.setitem(sys.modules, "fsspec.core", None)
+    with pytest.raises(MissingDependencyError, match="needs fsspec: pip install fsspec") as info:
+        ImageNet("s3://bucket/imagenet", "train")
+    assert isinstance(info.value, ImportError)
+
 
 def test_fsspec_urls_give_the_same_samples(root: str) -> None:
     url = memory_copy(root, "tiny-copy")

@@ -1,11 +1,14 @@
 """``phalanx.train.fit`` on worlds of 1, 2 and 3 ranks equals a hand-written 1-process loop.
 
-See ``worlds_fit`` for the bodies: equivalence (SGD, Adam, accumulation,
-LR schedule, validation counting every sample once, replicas x processes),
-the failure policy (NaN loss, out-of-memory in forward or backward on one
-rank: skipped everywhere or a TrainingError everywhere), and checkpoints
-(a SIGTERM on rank 0 stops every rank after the step with a checkpoint; the
-resumed run, also at another world size, equals the uninterrupted one).
+See ``worlds_fit`` for the bodies, one named behaviour per test id:
+equivalence (SGD, Adam, accumulation, LR schedule, validation counting every
+sample once, replicas x processes, a bitwise exact mid-epoch resume with
+Dropout), the failure policy (NaN loss, NaN gradients with a finite loss,
+out-of-memory in forward or backward on one rank: skipped everywhere or a
+TrainingError everywhere naming the rank; a damaged newest checkpoint: every
+rank falls back to the previous one), and checkpoints (a SIGTERM on rank 0
+stops every rank after the step with a checkpoint; the resumed run, also at
+another world size, equals the uninterrupted one).
 """
 
 from __future__ import annotations
@@ -13,37 +16,91 @@ from __future__ import annotations
 import pytest
 
 import worlds_fit as bodies
-from conftest import ALL_WORLDS, AVAILABLE, world_params
-from phalanx.testing import run_world
+from conftest import ALL_WORLDS, world_params
+from phalanx import InvalidArgumentError
 
 
+@pytest.mark.parametrize("behaviour", bodies.EQUIVALENCE.names)
 @pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
-def test_fit_equals_one_process_and_handles_failures_alike(backend: str, n: int, tmp_path) -> None:
-    results = run_world(bodies.equivalence, n, backend, timeout=180, op_timeout=60, args=(str(tmp_path),))
-    assert all(r == {"sgd": True, "adam": True, "sgd-accumulate": True, "DataParallel": True,
-                     "DistributedOptimizer": True, "scheduler": True, "replicas": True}
-               for r in results), results
-    results = run_world(bodies.failures, n, backend, timeout=180, op_timeout=60, args=(str(tmp_path),))
-    for r in results:
-        assert r == {"nan": True, "oom": True, "oom-backward": True, "raise-nan": True, "raise-oom": True,
-                     "max_skipped": True}, r
+def test_fit_equals_one_process(worlds, tmp_path_factory, backend: str, n: int, behaviour: str) -> None:
+    worlds.check(bodies.equivalence, backend, n, behaviour, timeout=240, op_timeout=60,
+                 args=(_shared_dir(tmp_path_factory, "equivalence", backend, n),))
 
 
+@pytest.mark.parametrize("behaviour", bodies.FAILURES.names)
+@pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
+def test_failures_are_decided_alike_on_every_rank(worlds, tmp_path_factory, backend: str, n: int,
+                                                  behaviour: str) -> None:
+    worlds.check(bodies.failures, backend, n, behaviour, timeout=240, op_timeout=60,
+                 args=(_shared_dir(tmp_path_factory, "failures", backend, n),))
+
+
+def _shared_dir(factory: pytest.TempPathFactory, *key: object) -> str:
+    """One directory per world (the world is shared by the tests of its behaviours)."""
+    name = "-".join(map(str, key))
+    if name not in _DIRS:
+        _DIRS[name] = str(factory.mktemp(name))
+    return _DIRS[name]
+
+
+_DIRS: dict[str, str] = {}
+
+RESUME_SIZES = [("local", 1, 1), ("mpi", 2, 3), ("gloo", 3, 2)]
+
+
+@pytest.mark.parametrize("phase,behaviour", [("write", b) for b in bodies.RESUME_WRITE.names]
+                         + [("resume", b) for b in bodies.RESUME_READ.names])
 @pytest.mark.parametrize("backend,written_at,resumed_at", [
-    pytest.param("local", 1, 1, id="local-1-1"),
-    pytest.param("mpi", 2, 3, id="mpi-2-3", marks=pytest.mark.skipif("mpi" not in AVAILABLE, reason="no mpi")),
-    pytest.param("gloo", 3, 2, id="gloo-3-2",
-                 marks=pytest.mark.skipif("gloo" not in AVAILABLE, reason="no gloo")),
-])
-def test_sigterm_checkpoint_and_resume_equal_an_uninterrupted_run(backend: str, written_at: int,
-                                                                  resumed_at: int, tmp_path) -> None:
-    stopped = run_world(bodies.resume, written_at, backend, timeout=120, op_timeout=60,
-                        args=(str(tmp_path), "write"))
-    assert stopped[0]["stopped"] == "SIGTERM"
-    assert all(r["stopped"] == "signal on another rank" for r in stopped[1:]), stopped
-    resumed = run_world(bodies.resume, resumed_at, backend, timeout=120, op_timeout=60,
-                        args=(str(tmp_path), "resume"))
-    assert all(r == {"resumed": True} for r in resumed), resumed
+    pytest.param(b, w, r, id=f"{b}-{w}-{r}", marks=world_params([(b, w)])[0].marks) for b, w, r in RESUME_SIZES])
+def test_sigterm_checkpoint_and_resume_equal_an_uninterrupted_run(worlds, tmp_path_factory, backend: str,
+                                                                  written_at: int, resumed_at: int, phase: str,
+                                                                  behaviour: str) -> None:
+    directory = _shared_dir(tmp_path_factory, "resume", backend)
+    worlds.check(bodies.resume, backend, written_at, bodies.RESUME_WRITE.names[0], timeout=120,
+                 op_timeout=60, args=(directory, "write"))  # the resume needs the written checkpoint
+    if phase == "resume":
+        worlds.check(bodies.resume, backend, resumed_at, behaviour, timeout=120, op_timeout=60,
+                     args=(directory, "resume"))
+
+
+def test_fit_options_are_checked_before_anything_runs() -> None:
+    import dataclasses
+
+    from phalanx.train import FitOptions
+
+    with pytest.raises(InvalidArgumentError, match=r"phalanx.train.fit\(batch_size=0\): give an int >= 1"):
+        FitOptions(batch_size=0, steps=1)
+    with pytest.raises(InvalidArgumentError, match=r"precision='fp8'\): use None, 'bf16' or 'fp16'"):
+        FitOptions(batch_size=1, steps=1, precision="fp8")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="give epochs= or steps="):
+        FitOptions(batch_size=1)
+    with pytest.raises(InvalidArgumentError, match="resume='latest'.*needs checkpoint_dir"):
+        FitOptions(batch_size=1, steps=1, resume="latest")
+    options = FitOptions(batch_size=8, epochs=2, topk=[1, 5])
+    assert options.topk == (1, 5) and dataclasses.is_dataclass(options)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.batch_size = 4  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        FitOptions(8, epochs=2)  # type: ignore[misc]  # keyword-only
+
+
+def test_help_of_every_public_training_name_stands_alone() -> None:
+    import inspect
+
+    import phalanx.train as pt
+
+    for name in pt.__all__:
+        obj = getattr(pt, name)
+        if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+            continue
+        doc = inspect.getdoc(obj) or ""
+        assert doc and "module docstring" not in doc and "see the docstring" not in doc.lower(), name
+    fit_doc = inspect.getdoc(pt.fit)
+    for group in ("Data:", "Optimisation:", "Precision:", "Checkpointing:", "Failure policy:", "Logging:",
+                  "Returns:", "Raises:"):
+        assert group in fit_doc, group
+    missing = [p for p in inspect.signature(pt.fit).parameters if p not in fit_doc]
+    assert not missing, missing
 
 
 def test_samples_are_seeded_by_seed_epoch_and_index_whoever_loads_them() -> None:

@@ -14,10 +14,12 @@ import copy
 import json
 import os
 import signal
+import warnings
 from typing import Any
 
 import phalanx
-from helpers import raise_in_backward
+from behaviours import Behaviours
+from helpers import nan_in_backward, raise_in_backward
 
 GLOBAL = 12  # samples per global micro-batch: divisible by 1, 2, 3 ranks and by 2 replicas
 TOL = 1e-9
@@ -84,183 +86,299 @@ def same(torch: Any, a: Any, b: Any, tol: float = TOL) -> bool:
                                                                        strict=True))
 
 
-def equivalence(tmp: str) -> dict[str, Any]:
-    """Processes (and processes x replicas): the same parameters as one process on the global batch."""
-    torch = _torch()
-    import phalanx.train as pt
+class World:
+    """What every behaviour of a world shares: torch, the data, rank 0's start, this rank's identity."""
 
-    rank, size = phalanx.rank(), phalanx.size()
-    ds, val = data(torch), data(torch, n=23, seed=1)
-    start = model(torch, 0)
-    checks: dict[str, Any] = {}
-    ce = torch.nn.functional.cross_entropy
+    def __init__(self, tmp: str) -> None:
+        self.torch = torch = _torch()
+        import phalanx.train as pt
 
-    for name, make_opt, acc in (("sgd", sgd, 1), ("adam", adam, 1), ("sgd-accumulate", sgd, 2)):
-        m = model(torch, 100 + rank)  # rank 0's start is broadcast by fit; others differ on purpose
-        m.load_state_dict(start.state_dict()) if rank == 0 else None
-        h = pt.fit(m, ce, make_opt(torch, m), ds, batch_size=GLOBAL // size, steps=7, accumulate=acc,
-                   val_data=val, val_every=3, progress=False)
-        ref = reference(torch, start, make_opt, ds, steps=7, accumulate=acc)
-        assert same(torch, m, ref), f"{name}: fit on {size} ranks differs from one process"
-        assert h["val/samples"] == [23.0] * 3, h["val/samples"]  # every sample once, at steps 3, 6, 7
-        assert h.steps("val/loss") == [3, 6, 7], h.steps("val/loss")
-        with torch.no_grad():
-            want = ce(ref(val.tensors[0]), val.tensors[1]).item()
-        assert abs(h.last("val/loss") - want) < 1e-9, (h.last("val/loss"), want)
-        checks[name] = True
+        self.pt, self.tmp = pt, tmp
+        self.rank, self.size = phalanx.rank(), phalanx.size()
+        self.ds, self.val = data(torch), data(torch, n=23, seed=1)
+        self.start = model(torch, 0)
+        self.ce = torch.nn.functional.cross_entropy
 
-    # The user's own wrappers are used as they are: a DataParallel model, or a DistributedOptimizer.
+    def fresh(self, seed: int) -> Any:
+        """A model that starts from rank 0's start only through fit's broadcast (others differ)."""
+        m = model(self.torch, seed + self.rank)
+        if self.rank == 0:
+            m.load_state_dict(self.start.state_dict())
+        return m
+
+    def fit(self, m: Any, loss_fn: Any = None, opt: Any = None, **kwargs: Any) -> Any:
+        opt = sgd(self.torch, m) if opt is None else opt
+        kwargs.setdefault("progress", False)
+        return self.pt.fit(m, loss_fn or self.ce, opt, self.ds, batch_size=GLOBAL // self.size, **kwargs)
+
+
+# -- equivalence: processes (and processes x replicas) give one process's parameters ----------------
+
+EQUIVALENCE = Behaviours()
+
+
+def _same_as_one_process(w: World, make_opt: Any, acc: int) -> None:
+    torch = w.torch
+    m = w.fresh(100)
+    h = w.fit(m, opt=make_opt(torch, m), steps=7, accumulate=acc, val_data=w.val, val_every=3)
+    ref = reference(torch, w.start, make_opt, w.ds, steps=7, accumulate=acc)
+    assert same(torch, m, ref), f"fit on {w.size} ranks differs from one process"
+    assert h["val/samples"] == [23.0] * 3, h["val/samples"]  # every sample once, at steps 3, 6, 7
+    assert h.steps("val/loss") == [3, 6, 7], h.steps("val/loss")
+    with torch.no_grad():
+        want = w.ce(ref(w.val.tensors[0]), w.val.tensors[1]).item()
+    assert abs(h.last("val/loss") - want) < 1e-9, (h.last("val/loss"), want)
+
+
+for _name, _opt, _acc in (("sgd", sgd, 1), ("adam", adam, 1), ("sgd-accumulate", sgd, 2)):
+    EQUIVALENCE.add(f"{_name}-equals-one-process", _same_as_one_process, _opt, _acc)
+
+
+def _users_wrapper_is_used_as_it_is(w: World, kind: str) -> None:
     import phalanx.torch as ptorch
 
-    for name in ("DataParallel", "DistributedOptimizer"):
-        m = model(torch, 200 + rank)
-        m.load_state_dict(start.state_dict()) if rank == 0 else None
-        if name == "DataParallel":
-            net, opt = ptorch.DataParallel(m), sgd(torch, m)
-        else:
-            net, opt = m, ptorch.DistributedOptimizer(sgd(torch, m))
-        pt.fit(net, ce, opt, ds, batch_size=GLOBAL // size, steps=6, accumulate=2, progress=False)
-        assert same(torch, m, reference(torch, start, sgd, ds, steps=6, accumulate=2)), name
-        net.close() if name == "DataParallel" else opt.close()
-        checks[name] = True
+    m = w.fresh(200)
+    if kind == "DataParallel":
+        net, opt = ptorch.DataParallel(m), sgd(w.torch, m)
+    else:
+        net, opt = m, ptorch.DistributedOptimizer(sgd(w.torch, m))
+    w.fit(net, opt=opt, steps=6, accumulate=2)
+    net.close() if kind == "DataParallel" else opt.close()
+    assert same(w.torch, m, reference(w.torch, w.start, sgd, w.ds, steps=6, accumulate=2)), kind
 
-    # An LR schedule is really applied, per step.
-    m = model(torch, 7 + rank)
-    m.load_state_dict(start.state_dict()) if rank == 0 else None
-    h = pt.fit(m, ce, sgd(torch, m), ds, batch_size=GLOBAL // size, epochs=2, log_every=1, progress=False,
-               scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5))
-    ref = reference(torch, start, sgd, ds, steps=10,
-                    make_sched=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5))
-    assert same(torch, m, ref)
+
+for _kind in ("DataParallel", "DistributedOptimizer"):
+    EQUIVALENCE.add(f"users-{_kind}-is-used-as-it-is", _users_wrapper_is_used_as_it_is, _kind)
+
+
+@EQUIVALENCE.behaviour("lr-schedule-is-applied-per-step")
+def _(w: World) -> None:
+    torch = w.torch
+
+    def sched(opt: Any) -> Any:
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+    m = w.fresh(7)
+    h = w.fit(m, epochs=2, log_every=1, scheduler=sched)
+    assert same(torch, m, reference(torch, w.start, sgd, w.ds, steps=10, make_sched=sched))
     assert h["lr"][:7] == [0.1, 0.1, 0.05, 0.05, 0.05, 0.025, 0.025], h["lr"]
     assert h.summary["steps"] == 10 and h.summary["epochs"] == 2.0, h.summary
-    checks["scheduler"] = True
 
-    # Replicas inside each process: size x 2 workers.
-    m = model(torch, 50 + rank)
-    m.load_state_dict(start.state_dict()) if rank == 0 else None
-    h = pt.fit(m, ce, sgd(torch, m), ds, batch_size=GLOBAL // size // 2, steps=6, replicas=2, progress=False)
-    assert same(torch, m, reference(torch, start, sgd, ds, steps=6)), "replicas x processes differ"
+
+@EQUIVALENCE.behaviour("replicas-times-processes-equal-one-process")
+def _(w: World) -> None:
+    m = w.fresh(50)
+    h = w.pt.fit(m, w.ce, sgd(w.torch, m), w.ds, batch_size=GLOBAL // w.size // 2, steps=6, replicas=2,
+                 progress=False)
+    assert same(w.torch, m, reference(w.torch, w.start, sgd, w.ds, steps=6)), "replicas x processes differ"
     assert h.summary["replicas"] == 2
-    checks["replicas"] = True
-    return checks
 
 
-def failures(tmp: str) -> dict[str, Any]:
-    """NaN/Inf loss and out-of-memory on one rank: the same decision on every rank, no hang."""
-    torch = _torch()
-    import phalanx.train as pt
+@EQUIVALENCE.behaviour("dropout-mid-epoch-resume-is-bitwise-exact")
+def _(w: World) -> None:
+    # 5 steps an epoch: stopped after step 3 (mid-epoch), resumed to 8; Dropout draws from each rank's
+    # own generator, which must continue exactly where it was (the DataLoader must not draw from it).
+    torch = w.torch
 
-    rank, size = phalanx.rank(), phalanx.size()
-    ds = data(torch)
-    start = model(torch, 0)
-    ce = torch.nn.functional.cross_entropy
-    last = size - 1
-    checks: dict[str, Any] = {}
+    def dropout_model() -> Any:
+        torch.manual_seed(5)
+        nn = torch.nn
+        return nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 3)).double()
 
-    def faulty(kind: str, at_step: int) -> Any:
-        calls = {"n": 0}
+    def run(steps: int, directory: str, resume: Any) -> tuple[Any, Any]:
+        m = dropout_model()
+        opt = sgd(torch, m)
+        w.fit(m, opt=opt, steps=steps, checkpoint_dir=directory, resume=resume, plot=False)
+        return m, opt
 
-        def loss_fn(out: Any, y: Any) -> Any:
-            step = calls["n"]
-            calls["n"] += 1
-            if step == at_step and rank == last:
-                if kind == "nan":
-                    return ce(out, y) * float("nan")
-                if kind == "oom":
-                    raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-                if kind == "oom-backward":
-                    return ce(raise_in_backward(out, torch.OutOfMemoryError("CUDA out of memory (injected in backward)")), y)
-            return ce(out, y)
+    torch.manual_seed(900 + w.rank)  # per-rank dropout streams
+    straight, straight_opt = run(8, os.path.join(w.tmp, "dropout-straight"), None)
+    torch.manual_seed(900 + w.rank)
+    run(3, os.path.join(w.tmp, "dropout-resumed"), None)
+    torch.manual_seed(12345)  # whatever happens in between, the checkpoint decides
+    resumed, resumed_opt = run(8, os.path.join(w.tmp, "dropout-resumed"), "latest")
+    for (name, p), q in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q), f"{name} differs after a mid-epoch resume (max {float((p - q).abs().max()):.3g})"
+    for a, b in zip(straight_opt.state.values(), resumed_opt.state.values(), strict=True):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"]), "momentum differs after a resume"
 
-        return loss_fn
 
-    for kind in ("nan", "oom", "oom-backward"):
-        m = model(torch, 30 + rank)
-        m.load_state_dict(start.state_dict()) if rank == 0 else None
-        h = pt.fit(m, faulty(kind, 2), sgd(torch, m), ds, batch_size=GLOBAL // size, steps=5, progress=False)
-        assert h.summary["skipped_steps"] == 1, (kind, h.summary)
-        assert same(torch, m, reference(torch, start, sgd, ds, steps=5, skip=(2,))), kind
-        checks[kind] = True
+def equivalence(tmp: str) -> dict[str, str | None]:
+    """Processes (and processes x replicas): the same parameters as one process on the global batch."""
+    return EQUIVALENCE.run(World(tmp))
 
-    for kind in ("nan", "oom"):
-        m = model(torch, 30 + rank)
-        policy = {"on_nonfinite": "raise"} if kind == "nan" else {"on_oom": "raise"}
-        try:
-            pt.fit(m, faulty(kind, 1), sgd(torch, m), ds, batch_size=GLOBAL // size, steps=5, progress=False,
-                   **policy)
-        except pt.TrainingError as exc:
-            assert f"rank(s) [{last}]" in str(exc) and "step 1" in str(exc), str(exc)
-            checks[f"raise-{kind}"] = True
-        else:
-            raise AssertionError(f"{kind}: fit did not raise TrainingError on rank {rank}")
 
-    # Too many skips in a row: a clear stop, on every rank.
-    m = model(torch, 0)
+# -- the failure policy: the same decision on every rank, naming the ranks --------------------------
+
+FAILURES = Behaviours()
+
+
+def faulty(w: World, kind: str, at_step: int, on_rank: int) -> Any:
+    """A loss function that fails once, at ``at_step``, on rank ``on_rank`` only."""
+    torch, calls = w.torch, {"n": 0}
+
+    def loss_fn(out: Any, y: Any) -> Any:
+        step = calls["n"]
+        calls["n"] += 1
+        if step == at_step and w.rank == on_rank:
+            if kind == "nan":
+                return w.ce(out, y) * float("nan")
+            if kind == "oom":
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            if kind == "oom-backward":
+                return w.ce(raise_in_backward(out, torch.OutOfMemoryError("CUDA out of memory (injected)")), y)
+            if kind == "nan-gradient":
+                return w.ce(nan_in_backward(out), y)  # the loss stays finite
+        return w.ce(out, y)
+
+    return loss_fn
+
+
+def _skipped_on_every_rank(w: World, kind: str) -> None:
+    m = w.fresh(30)
+    h = w.fit(m, faulty(w, kind, 2, w.size - 1), steps=5)
+    assert h.summary["skipped_steps"] == 1, h.summary
+    assert same(w.torch, m, reference(w.torch, w.start, sgd, w.ds, steps=5, skip=(2,))), kind
+    assert all(w.torch.isfinite(p).all() for p in m.parameters()), "a NaN gradient was applied"
+
+
+for _kind in ("nan", "oom", "oom-backward", "nan-gradient"):
+    FAILURES.add(f"{_kind}-on-the-last-rank-skips-the-step-everywhere", _skipped_on_every_rank, _kind)
+
+
+def _raise_names_the_rank(w: World, kind: str, text: str) -> None:
+    policy = {"on_oom": "raise"} if kind == "oom" else {"on_nonfinite": "raise"}
+    culprit = w.size - 1
+    m = w.fresh(30)
     try:
-        pt.fit(m, lambda out, y: ce(out, y) * float("inf"), sgd(torch, m), ds, batch_size=GLOBAL // size,
-               steps=20, max_skipped=3, progress=False)
-    except pt.TrainingError as exc:
+        w.fit(m, faulty(w, kind, 1, culprit), steps=5, **policy)
+    except w.pt.TrainingError as exc:
+        assert f"{text} on rank(s) [{culprit}]" in str(exc) and "step 1" in str(exc), str(exc)
+    else:
+        raise AssertionError(f"{kind}: fit did not raise TrainingError on rank {w.rank}")
+    assert all(w.torch.isfinite(p).all() for p in m.parameters()), "a NaN gradient was applied"
+
+
+FAILURES.add("raise-on-nan-loss-names-the-rank", _raise_names_the_rank, "nan", "a NaN/Inf loss")
+FAILURES.add("raise-on-oom-names-the-rank", _raise_names_the_rank, "oom", "an out-of-memory error")
+FAILURES.add("raise-on-nan-gradient-names-the-rank", _raise_names_the_rank, "nan-gradient",
+             "NaN/Inf local gradients (the loss was finite)")
+
+
+@FAILURES.behaviour("too-many-skips-in-a-row-stop-every-rank")
+def _(w: World) -> None:
+    m = model(w.torch, 0)
+    try:
+        w.fit(m, lambda out, y: w.ce(out, y) * float("inf"), steps=20, max_skipped=3)
+    except w.pt.TrainingError as exc:
         assert "4 steps in a row" in str(exc), str(exc)
-        checks["max_skipped"] = True
-    return checks
+    else:
+        raise AssertionError("fit did not stop after 4 skipped steps")
 
 
-def resume(tmp: str, phase: str) -> dict[str, Any]:
-    """Checkpoints: interrupted (by SIGTERM) + resumed equals uninterrupted; also across world sizes.
+def _damage(w: World, directory: str, how: str) -> None:
+    """Rank 0 damages the newest checkpoint: 64 flipped weight bytes, or an out-of-range RNG word of
+    the last rank (re-saved with a valid digest, so only restoring it on that rank can tell)."""
+    pt = w.pt
+    newest = pt.CheckpointManager(directory).latest()
+    if how == "weights" and w.rank == 0:
+        state = pt.load_checkpoint(newest)
+        needle = state["model"]["0.weight"].numpy().tobytes()[:256]
+        blob = bytearray(open(newest, "rb").read())
+        at = blob.find(needle)
+        assert at >= 0
+        for i in range(at, at + 64):
+            blob[i] ^= 0xFF
+        with open(newest, "wb") as f:
+            f.write(bytes(blob))
+    if how == "rng":
+        state = pt.load_checkpoint(newest)
+        state["rng"][-1]["python"] = state["rng"][-1]["python"] + 2**40
+        pt.save_checkpoint(newest, state)  # collective: rank 0 writes
+    phalanx.barrier()
 
-    ``phase="write"``: run A is stopped by a SIGTERM on rank 0 after step 4 (every rank stops there,
-    a checkpoint is written). ``phase="resume"`` (possibly at another world size, same global batch):
-    resume run A to 10 steps, compare with an uninterrupted run B.
-    """
-    torch = _torch()
-    import phalanx.train as pt
 
-    rank, size = phalanx.rank(), phalanx.size()
-    ds, val = data(torch), data(torch, n=23, seed=1)
-    start = model(torch, 0)
-    ce = torch.nn.functional.cross_entropy
-    ckpt = os.path.join(tmp, "ckpt")
-    checks: dict[str, Any] = {}
+def _falls_back_to_the_previous_checkpoint(w: World, how: str) -> None:
+    torch = w.torch
+    directory = os.path.join(w.tmp, f"fallback-{how}")
+    w.fit(w.fresh(40), steps=4, checkpoint_dir=directory, checkpoint_every=2, plot=False)  # steps 2, 4
+    _damage(w, directory, how)
+    m = model(torch, 77)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h = w.fit(m, steps=4, checkpoint_dir=directory, resume="latest", plot=False)
+    skipped = [str(c.message) for c in caught if "skipped" in str(c.message)]
+    assert skipped and "checkpoint-000000004.pt" in skipped[0], [str(c.message) for c in caught]
+    assert h.summary["steps"] == 4
+    assert h.summary["samples"] == 2 * GLOBAL, f"rank {w.rank} did not resume from step 2: {h.summary}"
+    assert same(w.torch, m, reference(torch, w.start, sgd, w.ds, steps=4)), "resumed from step 2 != straight"
 
-    def make_sched(opt: Any) -> Any:
-        return torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
 
-    def run(m: Any, loss_fn: Any, resume: Any) -> Any:
-        logger = pt.JSONLinesLogger(os.path.join(tmp, "metrics.jsonl"))
-        return pt.fit(m, loss_fn, adam(torch, m), ds, batch_size=GLOBAL // size, steps=10, val_data=val,
-                      scheduler=make_sched, checkpoint_dir=ckpt, checkpoint_every=3, resume=resume,
-                      loggers=[logger], log_every=2, progress=False)
+FAILURES.add("damaged-weights-of-the-newest-checkpoint-fall-back-on-every-rank",
+             _falls_back_to_the_previous_checkpoint, "weights")
+FAILURES.add("bad-rng-state-on-one-rank-falls-back-on-every-rank", _falls_back_to_the_previous_checkpoint, "rng")
 
-    if phase == "write":
-        calls = {"n": 0}
 
-        def stopping(out: Any, y: Any) -> Any:
-            calls["n"] += 1
-            if calls["n"] == 5 and rank == 0:  # during step 4 (0-based): like a scheduler's preemption
-                os.kill(os.getpid(), signal.SIGTERM)
-            return ce(out, y)
+def failures(tmp: str) -> dict[str, str | None]:
+    """NaN/Inf loss or gradients, out-of-memory, damaged checkpoints on one rank: the same decision on
+    every rank, no hang."""
+    return FAILURES.run(World(tmp))
 
-        m = model(torch, 60 + rank)
-        m.load_state_dict(start.state_dict()) if rank == 0 else None
-        h = run(m, stopping, None)
-        assert h.stopped in ("SIGTERM", "signal on another rank"), h.stopped
-        assert h.summary["steps"] == 5, h.summary
-        names = sorted(os.listdir(ckpt))
-        assert any(n.endswith("000000005.pt") for n in names), names
-        checks["stopped"] = h.stopped
-        return checks
 
-    m = model(torch, 70 + rank)  # whatever it starts from, the checkpoint decides
-    h = run(m, ce, "latest")
+# -- SIGTERM: a checkpoint, then a resume equal to an uninterrupted run ------------------------------
+
+RESUME_WRITE, RESUME_READ = Behaviours(), Behaviours()
+
+
+def _resume_run(w: World, loss_fn: Any, resume: Any) -> Any:
+    torch = w.torch
+    m = w.fresh(60) if resume is None else model(torch, 70 + w.rank)  # resumed: the checkpoint decides
+    logger = w.pt.JSONLinesLogger(os.path.join(w.tmp, "metrics.jsonl"))
+    h = w.pt.fit(m, loss_fn, adam(torch, m), w.ds, batch_size=GLOBAL // w.size, steps=10, val_data=w.val,
+                 scheduler=_step_lr, checkpoint_dir=os.path.join(w.tmp, "ckpt"), checkpoint_every=3,
+                 resume=resume, loggers=[logger], log_every=2, progress=False)
+    return m, h
+
+
+def _step_lr(opt: Any) -> Any:
+    import torch
+
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+
+
+@RESUME_WRITE.behaviour("sigterm-on-rank-0-stops-every-rank-after-the-step-with-a-checkpoint")
+def _(w: World) -> None:
+    calls = {"n": 0}
+
+    def stopping(out: Any, y: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 5 and w.rank == 0:  # during step 4 (0-based): like a scheduler's preemption
+            os.kill(os.getpid(), signal.SIGTERM)
+        return w.ce(out, y)
+
+    _, h = _resume_run(w, stopping, None)
+    assert h.stopped == ("SIGTERM" if w.rank == 0 else "signal on another rank"), h.stopped
+    assert h.summary["steps"] == 5, h.summary
+    names = sorted(os.listdir(os.path.join(w.tmp, "ckpt")))
+    assert any(n.endswith("000000005.pt") for n in names), names
+
+
+@RESUME_READ.behaviour("resumed-run-equals-an-uninterrupted-one")
+def _(w: World) -> None:
+    m, h = _resume_run(w, w.ce, "latest")
     assert h.summary["steps"] == 10 and h.stopped is None, h.summary
     assert h.steps("val/loss")[-1] == 10
-    ref = reference(torch, start, adam, ds, steps=10, make_sched=make_sched)
-    assert same(torch, m, ref, tol=1e-7), "resumed run differs from the uninterrupted one"
-    if rank == 0:
-        lines = [json.loads(line) for line in open(os.path.join(tmp, "metrics.jsonl"))]
+    ref = reference(w.torch, w.start, adam, w.ds, steps=10, make_sched=_step_lr)
+    assert same(w.torch, m, ref, tol=1e-7), "resumed run differs from the uninterrupted one"
+    if w.rank == 0:
+        lines = [json.loads(line) for line in open(os.path.join(w.tmp, "metrics.jsonl"))]
         steps = [r["step"] for r in lines if "train/loss" in r]
         assert steps[:2] == [2, 4] and steps[-1] == 10, steps  # the first run's lines are kept
-        assert os.path.getsize(os.path.join(ckpt, "curves.png")) > 1000
-    checks["resumed"] = True
-    return checks
+        assert os.path.getsize(os.path.join(w.tmp, "ckpt", "curves.png")) > 1000
+
+
+def resume(tmp: str, phase: str) -> dict[str, str | None]:
+    """``phase="write"``: run A is stopped by a SIGTERM on rank 0 during step 4 (every rank stops after
+    it, with a checkpoint). ``phase="resume"`` (possibly at another world size, same global batch):
+    run A resumed to 10 steps equals an uninterrupted run."""
+    return (RESUME_WRITE if phase == "write" else RESUME_READ).run(World(tmp))

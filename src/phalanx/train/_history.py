@@ -23,7 +23,19 @@ __all__ = ["History"]
 
 
 class History:
-    """Metric records (dicts with a ``"step"``) plus a ``summary`` and how the run ended (``stopped``)."""
+    """The metrics :func:`fit` recorded, by step, the same on every rank; also its summary.
+
+    ::
+
+        history["val/top1"]          # the values, in step order
+        history.steps("val/top1")    # the steps they were measured at
+        history.last("train/loss")   # the latest value; history.best("val/top1") the largest
+
+    Attributes: ``records`` (``[{"step": 50, "epoch": 0.5, "train/loss": ...}, ...]``),
+    ``summary`` (steps, samples, time, samples/s, skipped steps, last and best metrics, ...)
+    and ``stopped`` (the signal that stopped the run, or ``None``). ``to_json()`` and
+    ``History.from_json(text)`` round-trip it.
+    """
 
     def __init__(self, records: list[dict[str, Any]] | None = None) -> None:
         self.records: list[dict[str, Any]] = list(records or [])

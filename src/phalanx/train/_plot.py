@@ -18,12 +18,11 @@ from __future__ import annotations
 import math
 import numbers
 import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from .._errors import InvalidArgumentError
+from .._files import write_atomically
 
 __all__ = ["plot_curves"]
 
@@ -86,18 +85,36 @@ def _series(records: Sequence[Any]) -> dict[str, dict[str, list[tuple[float, flo
 
 def plot_curves(records: Iterable[Mapping[str, Any]], path: str | os.PathLike[str], *,
                 title: str | None = None) -> str:
-    """Draw ``records`` (dicts with ``"step"`` and metrics) to a PNG at ``path``; returns the path.
+    """Draw training curves (losses, accuracies, learning rate against the step) to a PNG; returns its path.
+
+    Arguments:
+        records: dicts with ``"step"`` and metrics, e.g. ``history.records`` or the lines of a
+            :class:`JSONLinesLogger` file. Records without ``"step"`` are skipped, as are missing
+            and non-finite values.
+        path: the PNG to write, atomically (parent directories are created).
+        title: a title above the panels.
 
     Panels, top to bottom, each when it has data: losses (``*/loss``),
     accuracies (``*/top1``, ``*/top5``, ...) and ``lr``. Every metric is one
     line (colour by split: train, val, ...; line style by metric); series with
-    few points, such as per-epoch validation, get markers. Records need not
-    hold every metric; records without ``"step"`` are skipped, as are missing
-    and non-finite values. The file is written atomically (a temporary file
-    then ``os.replace``) and parent directories are created.
+    few points, such as per-epoch validation, get markers. Drawn on a private
+    matplotlib figure: no display is needed and pyplot's state is left alone.
 
-    Raises :class:`InvalidArgumentError` when there is nothing to plot.
+    Returns:
+        ``path`` as a string.
+
+    Raises:
+        InvalidArgumentError: ``records`` is not a list of dicts, or holds nothing to plot.
     """
+    panels = _panels_of(records)
+    fig = _draw(panels, title)
+    target = os.fspath(path)
+    with write_atomically(target, durable=False) as f:
+        fig.savefig(f, format="png")
+    return target
+
+
+def _panels_of(records: Any) -> dict[str, dict[str, list[tuple[float, float]]]]:
     if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Iterable):
         raise InvalidArgumentError(
             f"phalanx.train.plot_curves(): records must be a list of dicts, got {type(records).__name__}. "
@@ -116,7 +133,10 @@ def plot_curves(records: Iterable[Mapping[str, Any]], path: str | os.PathLike[st
             "phalanx.train.plot_curves(): no numeric metric to plot in the records (with a 'step') "
             f"among keys {seen[:12]}. It plots '*/loss', '*/top1'-style accuracies and 'lr'."
         )
+    return panels
 
+
+def _draw(panels: dict[str, dict[str, list[tuple[float, float]]]], title: str | None) -> Any:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -127,40 +147,28 @@ def plot_curves(records: Iterable[Mapping[str, Any]], path: str | os.PathLike[st
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     densest = max(len(p) for metrics in panels.values() for p in metrics.values())
-    labels = {"loss": "loss", "accuracy": "accuracy", "lr": "learning rate"}
     for ax, (panel, metrics) in zip(axes, panels.items(), strict=True):
-        styles: dict[str, str] = {}
-        for name, points in metrics.items():
-            split, _, metric = name.rpartition("/")
-            color = _SPLIT_COLORS.get(split, f"C{3 + len(styles) % 7}") if split else "C4"
-            style = styles.setdefault(metric, _STYLES[len(styles) % len(_STYLES)])
-            sparse = len(points) <= 30 or len(points) * 4 <= densest
-            ax.plot([p[0] for p in points], [p[1] for p in points], linestyle=style, color=color,
-                    marker="o" if sparse else None, markersize=4, linewidth=1.4, label=name)
-        values = [v for points in metrics.values() for _, v in points]
-        if panel in ("loss", "lr") and min(values) > 0 and max(values) / min(values) > 100:
-            ax.set_yscale("log")
-        ax.set_ylabel(labels[panel])
-        ax.grid(True, alpha=0.3)
-        ax.legend(loc="best", fontsize="small")
+        _draw_panel(ax, panel, metrics, densest)
     axes[-1].set_xlabel("step")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     if title:
         fig.suptitle(title)
     fig.subplots_adjust(left=0.1, right=0.97, bottom=bottom / height, top=1 - top / height, hspace=0.12)
+    return fig
 
-    target = Path(os.fspath(path))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600
-        os.replace(tmp, target)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return str(target)
+
+def _draw_panel(ax: Any, panel: str, metrics: dict[str, list[tuple[float, float]]], densest: int) -> None:
+    styles: dict[str, str] = {}
+    for name, points in metrics.items():
+        split, _, metric = name.rpartition("/")
+        color = _SPLIT_COLORS.get(split, f"C{3 + len(styles) % 7}") if split else "C4"
+        style = styles.setdefault(metric, _STYLES[len(styles) % len(_STYLES)])
+        sparse = len(points) <= 30 or len(points) * 4 <= densest
+        ax.plot([p[0] for p in points], [p[1] for p in points], linestyle=style, color=color,
+                marker="o" if sparse else None, markersize=4, linewidth=1.4, label=name)
+    values = [v for points in metrics.values() for _, v in points]
+    if panel in ("loss", "lr") and min(values) > 0 and max(values) / min(values) > 100:
+        ax.set_yscale("log")
+    ax.set_ylabel({"loss": "loss", "accuracy": "accuracy", "lr": "learning rate"}[panel])
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize="small")

@@ -39,7 +39,8 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from .._errors import InvalidArgumentError
-from ._images import IMAGENET_INDEXES, IMAGENET_SPLITS, ImageFolder, ImageNet, is_url
+from ._images import IMAGENET_INDEXES, IMAGENET_SPLITS, ImageFolder, ImageNet
+from ._store import is_url
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -208,8 +209,30 @@ class DatasetRegistry:
 
 
 def load_registry(path: str | os.PathLike[str] | None = None) -> DatasetRegistry:
-    """Read a dataset registry (module docstring) from ``path``; ``None``: ``$PHALANX_DATASETS`` if set, else
-    ``./datasets.toml``. Relative dataset paths resolve against the file's directory."""
+    """Read a TOML registry of named datasets and return it as a :class:`DatasetRegistry`.
+
+    ::
+
+        # datasets.toml
+        [datasets.tiny-imagenet]
+        format = "imagenet"            # or "imagefolder" (root/<split>/<class>/<image>)
+        path = "data/tiny-imagenet"    # relative to this file, absolute, ~/..., $VAR/..., or an fsspec URL
+        classes = 4                    # optional
+
+        train = load_registry().open("tiny-imagenet", "train", train_transform(56))
+
+    Keys of an entry: ``format`` and ``path`` (required), ``storage_options`` and
+    ``description``; ``classes`` and ``index`` for ``imagenet``; ``classes``,
+    ``train``, ``val`` and ``extensions`` for ``imagefolder``. Other keys are errors.
+
+    Arguments:
+        path: the TOML file; ``None``: ``$PHALANX_DATASETS`` if set, else ``./datasets.toml``.
+            Relative dataset paths resolve against the file's directory.
+
+    Raises:
+        InvalidArgumentError: no such file, invalid TOML, or an entry with a missing, unknown or
+            misspelt key (the message names the file and the key).
+    """
     if path is None:
         env = os.environ.get(ENV)
         path, origin = (env, f"${ENV}") if env else (DEFAULT_FILE, "the default, as $PHALANX_DATASETS is not set")

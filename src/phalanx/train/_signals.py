@@ -82,7 +82,22 @@ def _parse(signals: Any) -> tuple[signal.Signals, ...]:
 
 
 class StopSignal:
-    """A context manager that records SIGTERM/SIGINT (or ``signals``) as a stop request (module docstring).
+    """A context manager that turns SIGTERM/SIGINT (or ``signals``) into a stop request a loop can poll.
+
+    ::
+
+        with StopSignal() as stop:          # the signals no longer kill the process
+            for step in range(steps):
+                train_step(step)
+                if phalanx.allreduce(int(stop.requested), op="max"):   # every rank stops alike
+                    save_checkpoint(...)
+                    break
+
+    Inside the block a signal only sets ``requested``; a **second** SIGINT
+    restores the previous handler and raises ``KeyboardInterrupt``. Ignored
+    signals stay ignored; outside the main thread it is inert (with a warning)
+    and only :meth:`request` sets ``requested``. ``signals``: numbers, names
+    (``"SIGUSR1"``) or ``signal.Signals``.
 
     ``requested``: whether a stop was requested; ``signal_name``: what
     requested it first (``"SIGTERM"``, ``"SIGINT"``, or the name given to

@@ -41,6 +41,7 @@ import numpy as np
 from PIL import Image
 
 from .._errors import InvalidArgumentError
+from .._files import write_atomically
 
 __all__ = ["make_tiny_imagenet"]
 
@@ -129,10 +130,8 @@ def _jpeg(pixels: np.ndarray) -> bytes:
 
 
 def _write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with write_atomically(path, durable=False) as f:  # whole files only: a generated tree, not precious
         f.write(data)
-    os.replace(tmp, path)
 
 
 def _check(name: str, value: object, low: int, high: int | None = None) -> int:
@@ -144,14 +143,52 @@ def _check(name: str, value: object, low: int, high: int | None = None) -> int:
 
 def make_tiny_imagenet(root: str | os.PathLike[str], *, classes: int = 4, train_per_class: int = 16,
                        val_per_class: int = 8, size: int | Sequence[int] = (64, 64), seed: int = 0) -> str:
-    """Write a tiny ImageNet tree under ``root`` (module docstring) and return ``root`` as a str.
+    """Write a tiny, learnable ImageNet tree of JPEGs (Kaggle layout) under ``root``; returns ``root``.
 
-    ``size``: ``(height, width)`` of every image (or an int for squares).
-    A tree already complete with the same arguments is left as it is; one
-    made with other arguments raises :class:`~phalanx.InvalidArgumentError`
-    (remove it or choose another ``root``).
+    Each class is a shape of its own colour on a noisy background, so a small
+    network learns it in seconds; every file is the same for the same arguments.
+
+    Arguments:
+        root: a local directory (created if needed).
+        classes: how many classes (1 to 1000), named by real ImageNet synsets.
+        train_per_class, val_per_class: images per class in each split.
+        size: ``(height, width)`` of every image, or an int for squares (each >= 16).
+        seed: the random seed of the images and of the CSV order.
+
+    Returns:
+        ``root`` as a str. A tree already complete with the same arguments is left as it is.
+
+    Raises:
+        InvalidArgumentError: a bad argument, or ``root`` holds a tree made with other arguments
+            (remove it or choose another ``root``).
     """
     call = "phalanx.train.make_tiny_imagenet()"
+    root, (height, width) = _check_arguments(call, root, classes, train_per_class, val_per_class, size, seed)
+    params = {"version": _VERSION, "classes": classes, "train_per_class": train_per_class,
+              "val_per_class": val_per_class, "size": [height, width], "seed": seed}
+    marker = os.path.join(root, MARKER)
+    if os.path.exists(marker):
+        with open(marker, encoding="utf-8") as f:
+            try:
+                found = json.load(f)
+            except ValueError:
+                found = None
+        if found == params:
+            return root
+        raise InvalidArgumentError(
+            f"{call}: {root!r} already holds a tiny ImageNet made with {found}, not {params}; remove the "
+            "directory or pass another root.")
+    classes_list = synsets(classes)
+    _write(os.path.join(root, "LOC_synset_mapping.txt"),
+           "".join(f"{s} {name}\n" for s, name in classes_list).encode())
+    _write_train(root, classes_list, train_per_class, (height, width), seed)
+    _write_val(root, classes_list, val_per_class, (height, width), seed)
+    _write(marker, (json.dumps(params) + "\n").encode())  # last: the tree is complete
+    return root
+
+
+def _check_arguments(call: str, root: object, classes: int, train_per_class: int, val_per_class: int,
+                     size: int | Sequence[int], seed: int) -> tuple[str, tuple[int, int]]:
     if not isinstance(root, (str, os.PathLike)):
         raise InvalidArgumentError(f"{call}: root must be a local directory path, got {root!r}.")
     root = os.fspath(root)
@@ -165,54 +202,35 @@ def make_tiny_imagenet(root: str | os.PathLike[str], *, classes: int = 4, train_
     pair = (size, size) if isinstance(size, int) and not isinstance(size, bool) else tuple(size)
     if len(pair) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 16 for s in pair):
         raise InvalidArgumentError(f"{call}: size must be an int or (height, width), each >= 16, got {size!r}.")
-    height, width = int(pair[0]), int(pair[1])
-    params = {"version": _VERSION, "classes": classes, "train_per_class": train_per_class,
-              "val_per_class": val_per_class, "size": [height, width], "seed": seed}
+    return root, (int(pair[0]), int(pair[1]))
 
-    marker = os.path.join(root, MARKER)
-    if os.path.exists(marker):
-        with open(marker, encoding="utf-8") as f:
-            try:
-                found = json.load(f)
-            except ValueError:
-                found = None
-        if found == params:
-            return root
-        raise InvalidArgumentError(
-            f"{call}: {root!r} already holds a tiny ImageNet made with {found}, not {params}; remove the "
-            "directory or pass another root.")
 
+def _write_train(root: str, classes_list: list[tuple[str, str]], per_class: int, size: tuple[int, int],
+                 seed: int) -> None:
     data = os.path.join(root, "ILSVRC", "Data", "CLS-LOC")
-    os.makedirs(os.path.join(data, "val"), exist_ok=True)
-    classes_list = synsets(classes)
-    _write(os.path.join(root, "LOC_synset_mapping.txt"),
-           "".join(f"{s} {name}\n" for s, name in classes_list).encode())
-
-    train_rows = []
+    rows = []
     for label, (synset, _) in enumerate(classes_list):
         folder = os.path.join(data, "train", synset)
-        os.makedirs(folder, exist_ok=True)
-        for i in range(1, train_per_class + 1):
-            pixels, box = render(label, classes, (height, width),
-                                 np.random.default_rng([seed, _TRAIN, label, i]))
+        for i in range(1, per_class + 1):
+            pixels, box = render(label, len(classes_list), size, np.random.default_rng([seed, _TRAIN, label, i]))
             image_id = f"{synset}_{i}"
             _write(os.path.join(folder, f"{image_id}.JPEG"), _jpeg(pixels))
             if i % 4 != 0:
-                train_rows.append(f"{image_id},{synset} {' '.join(map(str, box))}\n")
-    np.random.default_rng([seed, _ORDER, 1]).shuffle(train_rows)
-    _write(os.path.join(root, "LOC_train_solution.csv"), ("ImageId,PredictionString\n"
-                                                          + "".join(train_rows)).encode())
+                rows.append(f"{image_id},{synset} {' '.join(map(str, box))}\n")
+    np.random.default_rng([seed, _ORDER, 1]).shuffle(rows)
+    _write(os.path.join(root, "LOC_train_solution.csv"), ("ImageId,PredictionString\n" + "".join(rows)).encode())
 
-    val_rows = []
-    for i, label in enumerate(val_classes(classes, val_per_class, seed), 1):
-        pixels, box = render(label, classes, (height, width), np.random.default_rng([seed, _VAL, i]))
+
+def _write_val(root: str, classes_list: list[tuple[str, str]], per_class: int, size: tuple[int, int],
+               seed: int) -> None:
+    data = os.path.join(root, "ILSVRC", "Data", "CLS-LOC")
+    rows = []
+    for i, label in enumerate(val_classes(len(classes_list), per_class, seed), 1):
+        pixels, box = render(label, len(classes_list), size, np.random.default_rng([seed, _VAL, i]))
         image_id = f"ILSVRC2012_val_{i:08d}"
         _write(os.path.join(data, "val", f"{image_id}.JPEG"), _jpeg(pixels))
-        val_rows.append(f"{image_id},{classes_list[label][0]} {' '.join(map(str, box))}\n")
-    _write(os.path.join(root, "LOC_val_solution.csv"), ("ImageId,PredictionString\n"
-                                                        + "".join(val_rows)).encode())
-    _write(marker, (json.dumps(params) + "\n").encode())
-    return root
+        rows.append(f"{image_id},{classes_list[label][0]} {' '.join(map(str, box))}\n")
+    _write(os.path.join(root, "LOC_val_solution.csv"), ("ImageId,PredictionString\n" + "".join(rows)).encode())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

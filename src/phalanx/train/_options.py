@@ -1,0 +1,140 @@
+"""The keyword options of :func:`phalanx.train.fit`, declared, typed and checked in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+from .._errors import InvalidArgumentError
+
+__all__ = ["FailurePolicy", "FitOptions", "Precision", "SchedulerInterval"]
+
+Precision = Literal["bf16", "fp16"] | None
+FailurePolicy = Literal["skip", "raise"]
+SchedulerInterval = Literal["step", "epoch"]
+
+_POLICIES = ("skip", "raise")
+_PRECISIONS = (None, "bf16", "fp16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FitOptions:
+    """Every keyword option of :func:`phalanx.train.fit`, checked when built; immutable.
+
+    ``fit`` builds one from its keyword arguments; build one yourself to check
+    a configuration before starting (``FitOptions(batch_size=64, epochs=10)``)
+    or to reuse it (``fit(model, loss_fn, opt, data, **dataclasses.asdict(options))``
+    keeps the values).
+
+    Data:
+        batch_size: samples per worker (a rank, or a replica) and micro-step.
+        epochs, steps: when to stop (optimizer steps; with both, whichever comes first).
+        val_data, val_every, val_batch_size: validation set, every ``val_every`` steps (default:
+            every epoch and at the end), with its own batch size (default ``batch_size``).
+        topk: top-k accuracies to report for class logits, e.g. ``(1, 5)``; ``()`` for none.
+        seed, shuffle: the sample order of each epoch (the same at any world size).
+        num_workers, collate_fn: passed to the DataLoader.
+    Optimisation:
+        scheduler: an LR scheduler over the optimizer, or a function ``optimizer -> scheduler``.
+        scheduler_interval: step it every optimizer ``"step"`` or every ``"epoch"``.
+        accumulate: micro-batches per optimizer step (the first ones without communication).
+        grad_clip: the maximal gradient norm, or ``None``.
+        replicas: in-process replicas: an int or a list of devices.
+        compression, bucket_cap_mb: for the DistributedOptimizer fit wraps around the optimizer.
+    Precision:
+        precision: ``None`` (as the model is), ``"bf16"`` (autocast) or ``"fp16"`` (autocast and
+            a GradScaler).
+    Checkpointing:
+        checkpoint_dir, checkpoint_every, keep: where, how often (default: every epoch), how many kept.
+        resume: ``"latest"`` (the newest checkpoint every rank can load in ``checkpoint_dir``) or a path.
+    Failure policy:
+        on_nonfinite: a NaN/Inf loss or local gradient on any rank: ``"skip"`` the step or
+            ``"raise"`` TrainingError, on every rank alike.
+        on_oom: an out-of-memory error on any rank: the same choice.
+        max_skipped: more skipped steps in a row than this raise TrainingError.
+    Logging:
+        loggers, log_every, progress: where training metrics go, every how many steps, and a
+            progress bar on rank 0.
+        plot: the curves PNG written at the end (default ``<checkpoint_dir>/curves.png``;
+            ``False`` for none).
+
+    Raises:
+        InvalidArgumentError: an option out of range, naming it and what to give instead.
+    """
+
+    batch_size: int
+    epochs: int | None = None
+    steps: int | None = None
+    val_data: Any = None
+    val_every: int | None = None
+    val_batch_size: int | None = None
+    topk: Sequence[int] = (1,)
+    seed: int = 0
+    shuffle: bool = True
+    num_workers: int = 0
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    scheduler: Any = None
+    scheduler_interval: SchedulerInterval = "step"
+    accumulate: int = 1
+    grad_clip: float | None = None
+    replicas: int | Sequence[Any] | None = None
+    compression: str | None = None
+    bucket_cap_mb: float = 25
+    precision: Precision = None
+    checkpoint_dir: str | os.PathLike[str] | None = None
+    checkpoint_every: int | None = None
+    keep: int = 3
+    resume: str | os.PathLike[str] | None = None
+    on_nonfinite: FailurePolicy = "skip"
+    on_oom: FailurePolicy = "skip"
+    max_skipped: int = 10
+    loggers: Iterable[Any] = ()
+    log_every: int = 10
+    progress: bool = True
+    plot: str | os.PathLike[str] | bool | None = None
+
+    def __post_init__(self) -> None:
+        bad = _problem(self)
+        if bad:
+            raise InvalidArgumentError(f"phalanx.train.fit({bad}")
+        object.__setattr__(self, "topk", tuple(int(k) for k in self.topk))
+        object.__setattr__(self, "loggers", tuple(self.loggers))
+
+
+def _positive(value: Any, allow_none: bool = False) -> bool:
+    if value is None:
+        return allow_none
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def _problem(o: FitOptions) -> str | None:
+    """What is wrong with ``o``, as ``"name=value): what to give"``, or None."""
+    for name in ("batch_size", "accumulate", "log_every", "keep"):
+        if not _positive(getattr(o, name)):
+            return f"{name}={getattr(o, name)!r}): give an int >= 1."
+    for name in ("epochs", "steps", "val_every", "val_batch_size", "checkpoint_every"):
+        if not _positive(getattr(o, name), allow_none=True):
+            return f"{name}={getattr(o, name)!r}): give an int >= 1, or leave it out."
+    if o.epochs is None and o.steps is None:
+        return "...): give epochs= or steps= (or both: training stops at whichever comes first)."
+    if isinstance(o.max_skipped, bool) or not isinstance(o.max_skipped, int) or o.max_skipped < 0:
+        return f"max_skipped={o.max_skipped!r}): give an int >= 0."
+    for name in ("on_nonfinite", "on_oom"):
+        if getattr(o, name) not in _POLICIES:
+            return f"{name}={getattr(o, name)!r}): use 'skip' (skip the step on every rank) or 'raise'."
+    if o.precision not in _PRECISIONS:
+        return f"precision={o.precision!r}): use None, 'bf16' or 'fp16'."
+    if o.scheduler_interval not in ("step", "epoch"):
+        return f"scheduler_interval={o.scheduler_interval!r}): use 'step' or 'epoch'."
+    if isinstance(o.topk, (str, bytes)) or not isinstance(o.topk, Iterable) or any(
+            isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in o.topk):
+        return f"topk={o.topk!r}): give positive ints, e.g. (1, 5), or () for none."
+    if o.grad_clip is not None and not (isinstance(o.grad_clip, (int, float)) and o.grad_clip > 0):
+        return f"grad_clip={o.grad_clip!r}): give the maximal gradient norm (> 0), or leave it out."
+    if o.resume is not None and o.checkpoint_dir is None and str(o.resume) == "latest":
+        return "resume='latest'): it needs checkpoint_dir= (where to look for the latest checkpoint)."
+    if isinstance(o.num_workers, bool) or not isinstance(o.num_workers, int) or o.num_workers < 0:
+        return f"num_workers={o.num_workers!r}): give an int >= 0."
+    return None
