@@ -30,7 +30,6 @@ import phalanx.train as pt
 import worlds_checkpoint as bodies
 from conftest import world_params
 from phalanx import InvalidArgumentError, UsageError
-from phalanx.testing import run_world
 from phalanx.train._signals import StopSignal
 
 SRC = str(pathlib.Path(__file__).resolve().parents[1] / "src")
@@ -460,21 +459,45 @@ def test_manager_never_deletes_the_checkpoint_it_just_wrote(tmp_path: pathlib.Pa
 
 # -- multi-rank ----------------------------------------------------------------------------------
 
-def test_local_world(tmp_path: pathlib.Path) -> None:
-    [done] = run_world(bodies.checks, 1, "local", timeout=180, op_timeout=30, args=(str(tmp_path), "plain"))
-    assert done["dp"] == done["opt"] == 6 and done["failures"] >= 6 and done["manager"] == 2
+_DIRS: dict[str, str] = {}
 
 
+def _world_dir(factory: pytest.TempPathFactory, name: str) -> str:
+    """One directory per world (the world is shared by the tests of its behaviours)."""
+    if name not in _DIRS:
+        _DIRS[name] = str(factory.mktemp(name))
+    return _DIRS[name]
+
+
+@pytest.mark.parametrize("behaviour", bodies.CHECKS.names)
+def test_local_world(worlds, tmp_path_factory, behaviour: str) -> None:
+    worlds.check(bodies.checks, "local", 1, behaviour, timeout=180, op_timeout=30,
+                 args=(_world_dir(tmp_path_factory, "local"), "plain"))
+
+
+def _saved_at_three(worlds, factory: pytest.TempPathFactory, backend: str) -> tuple[str, list[Any]]:
+    directory = _world_dir(factory, f"resized-{backend}")
+    three = worlds.results(bodies.checks, backend, 3, timeout=240, op_timeout=30, args=(directory, "save3"))
+    return directory, [done["expected"] for done in three]
+
+
+@pytest.mark.parametrize("behaviour", bodies.CHECKS.names + bodies.SAVED_AT_THREE.names)
 @pytest.mark.parametrize("backend,n", world_params([("mpi", 3), ("gloo", 3)]))
-def test_saved_at_three_ranks_restored_at_two(tmp_path: pathlib.Path, backend: str, n: int) -> None:
-    three = run_world(bodies.checks, 3, backend, timeout=240, op_timeout=30, args=(str(tmp_path), "save3"))
-    expected = [done["expected"] for done in three]
-    assert len({tuple(e) for e in expected}) == 3, "each rank saved its own RNG states"
-    two = run_world(bodies.checks, 2, backend, timeout=240, op_timeout=30,
-                    args=(str(tmp_path), "restore3", expected))
-    for done in three + two:
-        assert done["dp"] == done["opt"] == 6 and done["failures"] >= 6 and done["manager"] == 2, done
-    assert all(done["resized"] == 3 for done in two)
+def test_three_ranks_save_for_two(worlds, tmp_path_factory, backend: str, n: int, behaviour: str) -> None:
+    directory, expected = _saved_at_three(worlds, tmp_path_factory, backend)
+    worlds.check(bodies.checks, backend, n, behaviour, timeout=240, op_timeout=30, args=(directory, "save3"))
+    if behaviour in bodies.SAVED_AT_THREE.names:
+        assert len({tuple(e) for e in expected}) == 3, "each rank saved its own RNG states"
+
+
+@pytest.mark.parametrize("behaviour", ["saved-at-3-restored-at-2-takes-rank-r-mod-3"] + bodies.CHECKS.names)
+@pytest.mark.parametrize("backend,n", world_params([("mpi", 2), ("gloo", 2)]))
+def test_two_ranks_restore_what_three_saved(worlds, tmp_path_factory, backend: str, n: int,
+                                            behaviour: str) -> None:
+    directory, expected = _saved_at_three(worlds, tmp_path_factory, backend)
+    frozen = tuple(tuple(e) for e in expected)
+    worlds.check(bodies.checks, backend, n, behaviour, timeout=240, op_timeout=30,
+                 args=(directory, "restore3", frozen))
 
 
 # -- StopSignal ----------------------------------------------------------------------------------

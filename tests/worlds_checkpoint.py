@@ -1,15 +1,15 @@
-"""Checkpoint test bodies for worlds of 1, 2 and 3 ranks (see ``test_checkpoint``).
+"""Checkpoint test bodies for worlds of 1, 2 and 3 ranks (see ``test_checkpoint``), as named behaviours.
 
-:func:`checks` runs every multi-rank check in one world: capture / save /
-load / restore with per-rank RNG states and exact continued training (a
-model with Dropout and BatchNorm under DataParallel + SGD momentum, and
-with SyncBatchNorm under DistributedOptimizer + Adam); rank 0's write failing (parent is a
-file, target is a directory, an unstorable object, a read-only directory
-when not root) raising CheckpointError on every rank with the world still
-usable afterwards; CheckpointManager pruning. ``mode="save3"`` also saves a
-checkpoint for a later 2-rank world and restores a 2-rank view of it (rank
-2 takes saved rank 0's RNG); ``mode="restore3"`` restores that 3-rank
-checkpoint on 2 ranks.
+:func:`checks` runs them in one world: capture / save / load / restore with
+per-rank RNG states and exact continued training (a model with Dropout and
+BatchNorm under DataParallel + SGD momentum, and with SyncBatchNorm under
+DistributedOptimizer + Adam); rank 0's write failing (parent is a file,
+target is a directory, an unstorable object, a read-only directory when not
+root) raising CheckpointError on every rank with the world still usable;
+CheckpointManager pruning, and falling back on every rank alike when the
+newest checkpoint is damaged. ``mode="save3"`` also saves a checkpoint for a
+later 2-rank world and restores a 2-rank view of it (rank 2 takes saved rank
+0's RNG); ``mode="restore3"`` restores that 3-rank checkpoint on 2 ranks.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 import phalanx
+from behaviours import Behaviours
 
 PER_RANK = 4
 
@@ -89,7 +90,7 @@ def _equal_models(torch: Any, a: Any, b: Any, what: str) -> None:
         assert torch.equal(p, q), f"{what}: {name} differs after resuming"
 
 
-def round_trip(directory: str, kind: str) -> int:
+def round_trip(directory: str, kind: str) -> None:
     """Capture, save, continue; load, restore into fresh objects, continue: bitwise the same."""
     torch, ptorch, pt, r, n = _setup()
     model, net, opt, sched = _build(torch, ptorch, kind, 7)
@@ -118,10 +119,9 @@ def round_trip(directory: str, kind: str) -> int:
     _train(torch, fresh_net, fresh_opt, fresh_sched, range(3, 6), r, n)
     _equal_models(torch, fresh_model, model, f"{kind} on {n} ranks")
     assert fresh_sched.get_last_lr() == sched.get_last_lr()
-    return 6
 
 
-def failures(directory: str) -> int:
+def failures(directory: str) -> None:
     """Rank 0's write fails: CheckpointError on every rank, nothing left behind, the world usable."""
     torch, ptorch, pt, r, n = _setup()
     model = _model(torch, 3)
@@ -146,7 +146,6 @@ def failures(directory: str) -> int:
         phalanx.barrier()
         targets.append(os.path.join(read_only, "c.pt"))
         states.append(state)
-    checks = 0
     for target, st in zip(targets, states, strict=True):
         try:
             pt.save_checkpoint(target, st)
@@ -155,7 +154,6 @@ def failures(directory: str) -> int:
             assert r == 0 or "rank 0" in text, text
             if st is not state:
                 assert "state['extra']['fn']" in text and "builtin_function_or_method" in text, text
-            checks += 1
         else:
             raise AssertionError(f"rank {r}: save_checkpoint({target!r}) should have failed on every rank")
     phalanx.barrier()
@@ -167,10 +165,9 @@ def failures(directory: str) -> int:
     assert pt.load_checkpoint(good)["progress"] == {"step": 2}
     if r == 0 and os.geteuid() != 0:
         os.chmod(read_only, 0o700)
-    return checks + 3
 
 
-def manager(directory: str) -> int:
+def manager(directory: str) -> None:
     """CheckpointManager.save is collective; rank 0 prunes; every rank sees the same checkpoints."""
     torch, ptorch, pt, r, n = _setup()
     model = _model(torch, 5)
@@ -181,7 +178,35 @@ def manager(directory: str) -> int:
     phalanx.barrier()  # rank 0 pruned before it reached the barrier
     assert [os.path.basename(p) for p in mgr.paths()] == ["checkpoint-000000030.pt", "checkpoint-000000040.pt"]
     assert mgr.load_latest()["progress"]["global_step"] == 40
-    return 2
+
+
+def manager_fallback(directory: str) -> None:
+    """64 flipped bytes in the newest checkpoint's weights: every rank falls back to the previous one."""
+    torch, ptorch, pt, r, n = _setup()
+    model = _model(torch, 6)
+    mgr = pt.CheckpointManager(os.path.join(directory, "damaged"), keep=3)
+    for step in (1, 2):
+        with torch.no_grad():
+            model[0].weight.fill_(float(step))
+        mgr.save(pt.capture_state(model=model, progress={"global_step": step}), step)
+    if r == 0:
+        newest = mgr.latest()
+        blob = bytearray(open(newest, "rb").read())
+        at = blob.find(torch.full((8, 5), 2.0, dtype=torch.float64).numpy().tobytes()[:64])
+        assert at >= 0
+        for i in range(at, at + 64):
+            blob[i] ^= 0xFF
+        with open(newest, "wb") as f:
+            f.write(bytes(blob))
+    phalanx.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = mgr.load_latest()
+    assert state["progress"]["global_step"] == 1, state["progress"]
+    assert any("checkpoint-000000002.pt" in str(w.message) and "digest" in str(w.message) for w in caught), \
+        [str(w.message) for w in caught]
+    steps = phalanx.allgather(np.array([state["progress"]["global_step"]]))
+    assert steps.ravel().tolist() == [1] * n, steps
 
 
 def _cross_path(directory: str) -> str:
@@ -209,7 +234,7 @@ def save_three(directory: str) -> list[float]:
     return expected
 
 
-def restore_three(directory: str, expected: list[list[float]]) -> int:
+def restore_three(directory: str, expected: list[list[float]]) -> None:
     """Restore the 3-rank checkpoint on 2 ranks: rank r takes saved rank r % 3."""
     torch, ptorch, pt, r, n = _setup()
     state = pt.load_checkpoint(_cross_path(directory))
@@ -223,23 +248,37 @@ def restore_three(directory: str, expected: list[list[float]]) -> int:
     assert progress == {"epoch": 4, "step_in_epoch": 7}
     assert draws(torch) == expected[r % 3]
     _equal_models(torch, model, _model(torch, 11), "the model saved at 3 ranks")
-    return 3
 
 
-def checks(directory: str, mode: str = "plain", expected: list[list[float]] | None = None) -> dict[str, Any]:
-    """Every check in one world; ``directory`` is shared by the ranks (each world gets its own)."""
-    r, n = phalanx.rank(), phalanx.size()
+CHECKS = Behaviours()
+CHECKS.add("round-trip-dataparallel-sgd-resumes-bitwise", lambda d: round_trip(os.path.join(d, "rt"), "dp"))
+CHECKS.add("round-trip-syncbn-distributedoptimizer-adam-resumes-bitwise",
+           lambda d: round_trip(os.path.join(d, "rt"), "opt"))
+CHECKS.add("failed-write-raises-on-every-rank-and-keeps-the-old-file", lambda d: failures(os.path.join(d, "fail")))
+CHECKS.add("manager-saves-collectively-and-prunes-on-rank-0", manager)
+CHECKS.add("manager-falls-back-from-a-damaged-checkpoint-on-every-rank", manager_fallback)
+
+SAVED_AT_THREE = Behaviours()
+_SAVED: dict[str, list[float]] = {}
+
+
+@SAVED_AT_THREE.behaviour("saved-at-3-restores-a-2-rank-view-here")
+def _(directory: str) -> None:
+    _SAVED["expected"] = save_three(directory)
+
+
+def checks(directory: str, mode: str = "plain", expected: tuple[tuple[float, ...], ...] | None = None) \
+        -> dict[str, Any]:
+    """Every behaviour in one world; ``directory`` is shared by the ranks (each world gets its own)."""
+    n = phalanx.size()
+    report: dict[str, Any] = {}
     if mode == "restore3":
         assert expected is not None
-        done: dict[str, Any] = {"resized": restore_three(directory, expected)}
-    else:
-        done = {}
-    mine = os.path.join(directory, f"world-{n}")
-    done["dp"] = round_trip(os.path.join(mine, "rt"), "dp")
-    done["opt"] = round_trip(os.path.join(mine, "rt"), "opt")
-    done["failures"] = failures(os.path.join(mine, "fail"))
-    done["manager"] = manager(mine)
+        restored = Behaviours()
+        restored.add("saved-at-3-restored-at-2-takes-rank-r-mod-3", restore_three, [list(e) for e in expected])
+        report.update(restored.run(directory))
+    report.update(CHECKS.run(os.path.join(directory, f"world-{n}")))
     if mode == "save3":
-        done["expected"] = save_three(directory)
-    done["rank"] = r
-    return done
+        report.update(SAVED_AT_THREE.run(directory))
+        report["expected"] = _SAVED.get("expected")
+    return report
