@@ -88,15 +88,61 @@ def test_a_killed_rank_is_named_with_its_signal(tmp_path: Path, backend: str) ->
     """)
     out = phalanx_cli("run", "-n", "3", "--backend", backend, str(job))
     assert out.returncode == 128 + 9, out.stderr
+    assert "phalanx run: rank 1 failed first" in out.stderr, out.stderr
     assert "killed by signal 9 (SIGKILL)" in out.stderr, out.stderr
-    if "Hydra kills the other ranks with SIGKILL too" in out.stderr:
-        # MPICH's mpiexec says neither which rank died nor how; the launcher names the first rank it
-        # saw die, and says that this is its best guess (a killed rank can take longer to go than
-        # its peers take to be killed after it): the rank is not asserted.
-        assert "failed first" in out.stderr and "stopped by mpiexec" in out.stderr
-    else:
-        assert "phalanx run: rank 1 failed first" in out.stderr, out.stderr
-        assert "ranks 0, 2 stopped by" in out.stderr
+    assert "ranks 0, 2 stopped by" in out.stderr
+
+
+KILLED_ON_CUE = """\
+    import os, sys, time
+    import phalanx
+    phalanx.init()
+    with open(os.path.join(sys.argv[1], f"up{phalanx.rank()}"), "w") as f:
+        f.write(str(os.getpid()))
+    if phalanx.rank() == 1:
+        while not os.path.exists(os.path.join(sys.argv[1], "go")):
+            time.sleep(0.01)
+        os.kill(os.getpid(), 9)
+    time.sleep(60)
+"""
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("backend", LAUNCHERS)
+def test_the_rank_killed_first_is_named_even_when_the_launcher_looks_late(tmp_path: Path, backend: str) -> None:
+    """Forced timing: the launcher is stopped (SIGSTOP) while rank 1 dies and for a second after, so it
+    sees every death at once when it resumes. Hydra used to kill the other ranks meanwhile, and the
+    report named rank 0 (the lowest of equal death times); now nobody but the launcher stops them."""
+    job = script(tmp_path, KILLED_ON_CUE)
+    launcher = subprocess.Popen([sys.executable, "-m", "phalanx", "run", "-n", "3", "--backend", backend, str(job),
+                                 str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not all((tmp_path / f"up{r}").exists() for r in range(3)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rank_1 = psutil.Process(int((tmp_path / "up1").read_text()))
+        os.kill(launcher.pid, signal.SIGSTOP)
+        try:
+            (tmp_path / "go").touch()
+            deadline = time.monotonic() + 10
+            while _alive(rank_1) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(1.0)
+        finally:
+            os.kill(launcher.pid, signal.SIGCONT)
+        _, err = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert "phalanx run: rank 1 failed first" in err, err
+    assert "killed by signal 9 (SIGKILL)" in err and launcher.returncode == 128 + 9, err
 
 
 @pytest.mark.parametrize("backend", ["mpi", "gloo"])

@@ -24,14 +24,18 @@ __all__ = ["HOST", "Watch", "deaths_from"]
 HOST = socket.gethostname()
 
 
-def deaths_from(text: str, code: int, records: dict[int, dict[str, object]],
-            seen: dict[int, float]) -> dict[int, Death]:
+def deaths_from(text: str, code: int, records: dict[int, dict[str, object]], seen: dict[int, float],
+                culprit: int | None = None, statuses: dict[int, int] | None = None) -> dict[int, Death]:
     """How the ranks without a failure record ended, and which of them failed first.
 
     Open MPI names the failing rank and its status. Hydra names neither reliably (its
     "PID ... RUNNING AT" line is often another rank that it killed afterwards) but its
-    "EXIT STRING" and exit status are the failing rank's: the rank is the one the launcher
-    saw die first.
+    "EXIT STRING" and exit status are the failing rank's. ``culprit``: the rank the launcher
+    saw end first by itself while every other rank was still running (known when the
+    launcher, not Hydra, stopped the others: ``_mpi_flavor.hydra_args``); without it the rank is the
+    one the launcher saw die first, a weak clue, and the report says so. ``statuses``: exit
+    statuses the launcher read itself (:attr:`Watch.status`), exact where Hydra's is not (it
+    merges every rank's status with a bitwise or).
     """
     deaths = {rank: Death(at=at, by_launcher=True) for rank, at in seen.items() if rank not in records}
     found = False
@@ -44,17 +48,38 @@ def deaths_from(text: str, code: int, records: dict[int, dict[str, object]],
         deaths[int(rank)] = Death(int(status), seen.get(int(rank)))
         found = True
     causes = [r for r, rec in records.items() if rec.get("type") not in ECHOES]
-    if not found and not causes and deaths:
-        first = min(deaths, key=lambda r: (deaths[r].at or 0.0, r))
-        sig = re.search(r"EXIT STRING: .*\(signal (\d+)\)", text)
-        deaths[first].code = -int(sig.group(1)) if sig else (code if code > 0 else None)
-        deaths[first].by_launcher = False
-        if deaths[first].code == -signal.SIGKILL and len(deaths) > 1:
-            # Hydra stops the other ranks with SIGKILL too, and a killed process can take longer to
-            # go than its peers take to be killed: the order seen is then the only (weak) clue.
-            deaths[first].notes.append(f"(Hydra kills the other ranks with SIGKILL too; rank {first} is the "
-                                       "first rank the launcher saw die, which is usually the one that failed.)")
+    if found or not deaths or culprit is None and causes:
+        return deaths
+    if culprit is not None and culprit not in deaths:
+        return deaths  # the first rank to end left a failure record: the record tells
+    first = culprit if culprit is not None else min(deaths, key=lambda r: (deaths[r].at or 0.0, r))
+    sig = re.search(r"EXIT STRING: .*\(signal (\d+)\)", text)
+    deaths[first].code = (statuses or {}).get(first, -int(sig.group(1)) if sig else (code if code > 0 else None))
+    deaths[first].by_launcher = False
+    if culprit is None and deaths[first].code == -signal.SIGKILL and len(deaths) > 1:
+        # Hydra stops the other ranks with SIGKILL too, and a killed process can take longer to
+        # go than its peers take to be killed: the order seen is then the only (weak) clue.
+        deaths[first].notes.append(f"(Hydra kills the other ranks with SIGKILL too; rank {first} is the "
+                                   "first rank the launcher saw die, which is usually the one that failed.)")
     return deaths
+
+
+def _zombie_status(pid: int) -> int | None:
+    """The exit status of a process that has ended but not yet been reaped by its parent (Linux).
+
+    Field 52 of ``/proc/PID/stat`` holds it in ``waitpid`` form; ``None`` once the parent
+    (mpiexec's proxy) has reaped it, which is a race the launcher often, not always, wins.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2:].split()  # fields 3...: "state ppid ..."
+    if len(fields) < 50 or fields[0] != b"Z":
+        return None
+    raw = int(fields[49])
+    return -(raw & 0x7F) if raw & 0x7F else (raw >> 8) & 0xFF
 
 
 class Watch:
@@ -68,6 +93,8 @@ class Watch:
         self.fds: dict[int, int] = {}  # pidfd -> rank
         self.known: set[int] = set()
         self.dead: dict[int, float] = {}
+        self.status: dict[int, int] = {}  # rank -> exit status (negative: signal), when it could be read
+        self.pids: dict[int, int] = {}  # rank -> pid
         self.poller = select.poll() if hasattr(os, "pidfd_open") else None
 
     def wait(self, timeout: float) -> None:
@@ -78,18 +105,23 @@ class Watch:
             self.known.add(rank)
             if host != HOST:
                 continue
+            self.pids[rank] = pid
             try:
                 fd = os.pidfd_open(pid)
-            except OSError:  # already gone
+            except OSError:  # gone before it could be watched: it ended before now
+                self.dead.setdefault(rank, time.time())
                 continue
             self.fds[fd] = rank
             self.poller.register(fd, select.POLLIN)
         ready = self.poller.poll(timeout * 1000)
         now = time.time()
         for fd, _ in ready:
-            self.dead[self.fds.pop(fd)] = now
+            rank = self.fds.pop(fd)
+            self.dead[rank] = now
             self.poller.unregister(fd)
             os.close(fd)
+            if (status := _zombie_status(self.pids[rank])) is not None:
+                self.status[rank] = status
         if not self.fds and timeout:
             time.sleep(timeout)
 

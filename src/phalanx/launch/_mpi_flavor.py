@@ -23,8 +23,8 @@ from pathlib import Path
 from .._errors import LaunchError
 from ._job import Launch, notice
 
-__all__ = ["Flavor", "check_library", "classify", "find_mpiexec", "library_version", "mpiexec_flavor",
-           "openmpi_args"]
+__all__ = ["LOOPBACK_ENV", "Flavor", "check_library", "classify", "find_mpiexec", "hydra_args", "library_version",
+           "loopback_env", "mpiexec_flavor", "openmpi_args"]
 
 INSTALL_HINT = ("install one with `pip install 'phalanx[mpich]'` (MPICH from PyPI), or load your "
                 "cluster's MPI module (`module load openmpi`), or pass --mpiexec PATH")
@@ -116,6 +116,46 @@ def openmpi_args(job: Launch, flavor: Flavor, env: dict[str, str], ours: list[st
     for name in ours:  # Open MPI forwards only named variables to other nodes
         args += ["-x", name]
     return args
+
+
+def hydra_args(banner: str, local: bool) -> list[str]:
+    """MPICH's Hydra, every rank here: the launcher, not Hydra, stops the ranks after a failure.
+
+    Hydra kills every rank with SIGKILL the moment one dies, and a process killed first can
+    be seen to go after those killed later (tearing down a large address space takes time),
+    so the order of deaths would not say which rank failed. With ``-disable-auto-cleanup``
+    the failing rank is the only one that dies by itself; the launcher, which watches every
+    rank here, names it and stops the others. ``MPI_Abort`` still ends the job at once.
+    """
+    return ["-disable-auto-cleanup"] if local and banner.startswith("Hydra") else []
+
+
+# Interface settings that keep a single-host job's listening sockets on the loopback interface:
+# UCX (MPICH's ch4:ucx, Open MPI's pml ucx), libfabric's tcp and sockets providers (ch4:ofi, Intel
+# MPI), Open MPI's TCP transport and its runtime's out-of-band channel (Open MPI 4: ORTE, 5: PRRTE).
+LOOPBACK_ENV = {
+    "UCX_NET_DEVICES": "lo",
+    "FI_TCP_IFACE": "lo",
+    "FI_SOCKETS_IFACE": "lo",
+    "OMPI_MCA_btl_tcp_if_include": "lo",
+    "OMPI_MCA_oob_tcp_if_include": "lo",
+    "PRTE_MCA_oob_tcp_if_include": "lo",
+}
+
+
+def loopback_env(env: dict[str, str]) -> list[str]:
+    """Confine the ranks' listeners to the loopback interface (every rank runs here); returns the names set.
+
+    A setting the user made is kept, and so is its family: Open MPI refuses ``if_include``
+    beside an ``if_exclude``.
+    """
+    added = []
+    for name, value in LOOPBACK_ENV.items():
+        if name in env or name.replace("_include", "_exclude") in env:
+            continue
+        env[name] = value
+        added.append(name)
+    return added
 
 
 def check_library(mpiexec: str, flavor: Flavor) -> None:

@@ -17,11 +17,19 @@ import time
 from pathlib import Path
 
 from .._errors import LaunchError
-from ._job import GRACE, Launch, Signals, worker_command
-from ._jobdir import any_record, pid_files, read_records
+from ._job import GRACE, Launch, Signals, all_local, worker_command
+from ._jobdir import any_record, marked_ranks, pid_files, read_records
 from ._logs import FileFollower, log_path, pump
 from ._mpi_deaths import HOST, Watch, deaths_from
-from ._mpi_flavor import INSTALL_HINT, check_library, find_mpiexec, mpiexec_flavor, openmpi_args
+from ._mpi_flavor import (
+    INSTALL_HINT,
+    check_library,
+    find_mpiexec,
+    hydra_args,
+    loopback_env,
+    mpiexec_flavor,
+    openmpi_args,
+)
 from ._procs import child_setup, descendants, kill_pids
 from ._report import failure_report, first_failure
 from ._start import StartClock
@@ -31,8 +39,9 @@ __all__ = ["mpi_command", "run_mpi"]
 ABORT_GRACE = 5.0  # after a rank recorded an exception, how long mpiexec may take to end the job itself
 
 
-def mpi_command(job: Launch, env: dict[str, str]) -> list[str]:
-    """The mpiexec command line for ``job``; adjusts ``env`` (what the ranks must and must not inherit)."""
+def mpi_command(job: Launch, env: dict[str, str]) -> tuple[list[str], bool]:
+    """The mpiexec command line for ``job``, and whether the launcher (not mpiexec) stops the ranks
+    after a failure; adjusts ``env`` (what the ranks must and must not inherit)."""
     mpiexec = find_mpiexec(job.mpiexec)
     if mpiexec is None:
         where = f"--mpiexec {job.mpiexec!r} is not an executable" if job.mpiexec else "no mpiexec was found"
@@ -49,13 +58,16 @@ def mpi_command(job: Launch, env: dict[str, str]) -> list[str]:
         ours.append("PHALANX_LOG_DIR")
         for rank in range(job.n):
             open(log_path(job.log_dir, rank), "wb").close()  # workers append; old runs' text must go
-    extra = openmpi_args(job, flavor, env, ours) if flavor.family == "openmpi" else []
-    return [mpiexec, "-n", str(job.n), *extra, *job.mpi_args, *worker_command(job.target)]
+    local = all_local(job)
+    if local:  # nothing needs to reach these ranks from another host
+        loopback_env(env)
+    extra = openmpi_args(job, flavor, env, ours) if flavor.family == "openmpi" else hydra_args(flavor.banner, local)
+    return [mpiexec, "-n", str(job.n), *extra, *job.mpi_args, *worker_command(job.target)], bool(extra) and local
 
 
 def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) -> int:
     """Run ``job`` under mpiexec until it ends; returns the exit status (a report on stderr if it failed)."""
-    cmd = mpi_command(job, env)
+    cmd, own_cleanup = mpi_command(job, env)
     start = time.time()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=child_setup(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -66,8 +78,9 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
     follower = FileFollower(job.log_dir, job.n, job.echo).start() if job.log_dir is not None else None
     watch = Watch(job_dir)
     clock = StartClock(job_dir, job.n, job.start_timeout or float("inf"))
+    supervisor = _Supervisor(job, proc, job_dir, signals, watch, clock, own_cleanup)
     try:
-        _Supervisor(job, proc, job_dir, signals, watch, clock).run()
+        supervisor.run()
     finally:
         watch.close()
         for thread in pumps:
@@ -82,16 +95,18 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
         sys.stderr.write(clock.report + "\n")
         return 1
     return _report(Path(cmd[0]).name, proc.returncode, b"".join(tails).decode(errors="replace"),
-                   job_dir, watch, start)
+                   job_dir, watch, start, supervisor.culprit)
 
 
 class _Supervisor:
     """Watches mpiexec until it exits; ends the job itself when mpiexec does not."""
 
     def __init__(self, job: Launch, proc: subprocess.Popen[bytes], job_dir: str, signals: Signals,
-                 watch: Watch, clock: StartClock) -> None:
+                 watch: Watch, clock: StartClock, own_cleanup: bool = False) -> None:
         self.job, self.proc, self.job_dir, self.signals, self.watch = job, proc, job_dir, signals, watch
         self.clock = clock
+        self.own_cleanup = own_cleanup  # mpiexec leaves the other ranks running when one dies
+        self.culprit: int | None = None  # the rank that ended by itself first, when own_cleanup
         self.forwarded = 0
         self.terminate_at: float | None = None  # when to SIGTERM mpiexec ourselves
         self.kill_at: float | None = None  # when to SIGKILL mpiexec and everything below it
@@ -127,6 +142,8 @@ class _Supervisor:
             self.terminate_at = now + ABORT_GRACE  # MPI_Abort normally ends the job long before this
         elif self.terminate_at is None and self.kill_at is None and self.clock.overdue(now):
             self.terminate_at = now  # ranks wait in MPI_Init for one that never comes: end it now
+        elif self.own_cleanup and self.culprit is None and self.terminate_at is None and self.kill_at is None:
+            self.stop_after_failure(now)
         if self.terminate_at is not None and now >= self.terminate_at and self.kill_at is None:
             _send(self.proc, 15)
             self.kill_at = now + GRACE
@@ -134,14 +151,37 @@ class _Supervisor:
             kill_pids([*descendants(self.proc.pid), self.proc.pid])
 
 
-def _report(name: str, code: int, output: str, job_dir: str, watch: Watch, start: float) -> int:
+    def stop_after_failure(self, now: float) -> None:
+        """The first rank that ended by itself without an error is the failure: stop the others now.
+
+        Every other rank is still running (mpiexec kills none of them), so the order is certain.
+        They get SIGKILL, as Hydra would have sent: they are blocked in MPI calls with a dead peer,
+        where no Python signal handler runs. mpiexec then ends by itself.
+        """
+        clean = marked_ranks(self.job_dir, "exit")
+        ended = sorted((at, rank) for rank, at in self.watch.dead.items() if rank not in clean)
+        if not ended:
+            return
+        self.culprit = ended[0][1]
+        kill_pids(self.local_ranks())
+        self.terminate_at = now + ABORT_GRACE
+
+    def local_ranks(self) -> list[int]:
+        """The pids of the ranks on this host that have not been seen to end."""
+        return [pid for rank, (pid, host) in pid_files(self.job_dir).items()
+                if host == HOST and rank not in self.watch.dead]
+
+
+def _report(name: str, code: int, output: str, job_dir: str, watch: Watch, start: float,
+            culprit: int | None) -> int:
     """Print the failure report; return the job's exit status (a killed first rank's as a shell shows it)."""
     records = read_records(job_dir)
-    deaths = deaths_from(output, code, records, watch.dead)
+    deaths = deaths_from(output, code, records, watch.dead, culprit, watch.status)
     first = first_failure(records, deaths)
     status = f"{name} exited with {'code' if code > 0 else 'signal'} {abs(code)}"
     listed = any(d.by_launcher for d in deaths.values())  # else the ranks ran where the launcher cannot see
-    sys.stderr.write(failure_report(first, start, records, deaths, stopper=f"{name} ({status})",
+    stopper = "the launcher" if culprit is not None else f"{name} ({status})"
+    sys.stderr.write(failure_report(first, start, records, deaths, stopper=stopper,
                                     others="" if listed else f"stopped by {name}; {status}") + "\n")
     sys.stderr.flush()
     signalled = deaths[first].code if first in deaths and not deaths[first].by_launcher else None

@@ -5,15 +5,15 @@ Runs the user's code as ``__main__`` (like ``python script.py`` /
 and makes an uncaught exception end the job instead of hanging it:
 
 * the traceback goes to stderr and into ``$PHALANX_JOB_DIR/failure-rank<r>.json``
-  (so ``phalanx run`` can name the rank that failed first);
+  (so ``phalanx run`` can name the rank that failed first); a rank whose code ends
+  without an error leaves ``exit-rank<r>`` instead, so a rank that ends with
+  neither (killed by a signal, ``os._exit``) is known to have failed;
 * under MPI with more than one rank it calls ``MPI_Abort`` (a rank that just
   exits would leave its peers waiting in a collective, or in ``MPI_Finalize``);
   otherwise it exits with status 1 and the launcher stops the other ranks.
 
 ``KeyboardInterrupt`` exits 130; ``SystemExit`` passes through (a non-zero
-status also aborts an MPI job, as ``python -m mpi4py`` does). phalanx itself
-is imported only on failure, so settings read from the environment at import
-time still see what the script sets before its own ``import phalanx``.
+status also aborts an MPI job, as ``python -m mpi4py`` does).
 
 With ``PHALANX_LOG_DIR`` set (``phalanx run --backend mpi --log-dir DIR``) the
 rank's stdout and stderr go to ``DIR/rank.<r>.log`` only; the launcher echoes
@@ -66,6 +66,16 @@ def _redirect_output(log_dir: str, rank: int) -> None:
     for target in (1, 2):
         os.dup2(fd, target)
     os.close(fd)
+
+
+def _leave_exit_marker() -> None:
+    """``exit-rank<r>``: this rank's code ended without an error (a rank that ends without one failed)."""
+    job_dir = os.environ.get("PHALANX_JOB_DIR")
+    if job_dir:
+        try:
+            open(os.path.join(job_dir, f"exit-rank{env_rank()}"), "wb").close()
+        except OSError:
+            pass
 
 
 def _leave_pid(job_dir: str, rank: int) -> None:
@@ -138,6 +148,8 @@ def main() -> None:
         run(sys.argv[1:])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if code == 0:
+            _leave_exit_marker()
         if code == 0 and os.environ.get("PHALANX_BACKEND") in ("gloo", "nccl"):
             _exit_past_torch_teardown()
         _abort_at_exit(code)
@@ -148,6 +160,7 @@ def main() -> None:
         sys.exit(130)
     except BaseException as exc:  # noqa: BLE001 - every uncaught error must end the job
         fail(exc)
+    _leave_exit_marker()
     if os.environ.get("PHALANX_BACKEND") in ("gloo", "nccl"):
         _exit_past_torch_teardown()
 
