@@ -25,9 +25,8 @@ import pytest
 import phalanx
 import phalanx.train as pt
 import worlds_loggers as bodies
-from conftest import AVAILABLE
+from conftest import AVAILABLE, world_params
 from phalanx._errors import InvalidArgumentError, MissingDependencyError, PhalanxError, UsageError
-from phalanx.testing import run_world
 
 
 def _strict_json(line: str) -> Any:
@@ -335,26 +334,20 @@ def test_loggers_on_a_nonzero_rank_do_nothing(tmp_path: Any, monkeypatch: pytest
     assert [r["step"] for r in _read_jsonl(tmp_path / "own.jsonl")] == [1]
 
 
-def test_a_world_of_two_writes_rank_zero_lines_only(tmp_path: Any) -> None:
-    backend = next((b for b in ("mpi", "gloo") if b in AVAILABLE), None)
-    if backend is None:
-        pytest.skip("neither the mpi nor the gloo backend is available here (see `phalanx info`)")
-    zero, one = run_world(bodies.rank_zero_only, 2, backend, timeout=120, op_timeout=60, args=(str(tmp_path),))
-    assert zero["enabled"] and not one["enabled"]
-    assert zero["shared_exists_after_barrier"] and one["shared_exists_after_barrier"]
+_WORLD_BACKEND = "mpi" if "mpi" in AVAILABLE else "gloo"
 
-    shared = _read_jsonl(tmp_path / "shared" / "metrics.jsonl")
-    assert shared[0] == {"hparams": {"rank": 0}} and shared[-1] == {"summary": {"rank": 0}}
-    assert [(r["step"], r["rank"]) for r in shared[1:-1]] == [(0, 0), (1, 0), (2, 0)]
-    for r in (0, 1):
-        own = _read_jsonl(tmp_path / "own" / f"rank{r}.jsonl")
-        assert [(x["step"], x["rank"]) for x in own] == [(10 + r, r)]
 
-    assert zero["printed"] == "[0/2] step 5  rank 0\n[0/2] step 6  rank 0\n"
-    assert one["printed"] == "[1/2] step 6  rank 1\n"
-    assert zero["stream"] == "step 7  rank 0\nsummary\n  rank  0\n" and one["stream"] == ""
-    assert one["optional_imported"] == [] and one["optional_dirs"] == []
-    assert one["optional_enabled"] == [False, False, False]
+@pytest.mark.parametrize("behaviour", bodies.LOGGERS.names)
+@pytest.mark.parametrize("backend,n", world_params([(_WORLD_BACKEND, 2)]))
+def test_a_world_of_two_writes_rank_zero_lines_only(worlds, tmp_path_factory, backend: str, n: int,
+                                                    behaviour: str) -> None:
+    if "directory" not in _SHARED:
+        _SHARED["directory"] = str(tmp_path_factory.mktemp("loggers"))
+    worlds.check(bodies.rank_zero_only, backend, n, behaviour, timeout=120, op_timeout=60,
+                 args=(_SHARED["directory"],))
+
+
+_SHARED: dict[str, str] = {}
 
 
 # -- plot_curves ----------------------------------------------------------------------------------
