@@ -16,7 +16,6 @@ import worlds_data as bodies
 from conftest import world_params
 from phalanx import DistributedDataContainer
 from phalanx._data import partition
-from phalanx.testing import run_world
 
 CASES = [(n, size) for n in range(8) for size in (1, 2, 3)]
 
@@ -203,10 +202,7 @@ def test_dataloader_context_without_mpi_is_the_default() -> None:
         phalanx.shutdown()
 
 
+@pytest.mark.parametrize("behaviour", bodies.DATA.names)
 @pytest.mark.parametrize("backend,n", world_params([("mpi", 2), ("gloo", 3)]))
-def test_split_and_dataloader_workers_on_real_ranks(backend: str, n: int) -> None:
-    results = run_world(bodies.data_world, n, backend, op_timeout=30)
-    expected = "forkserver" if backend == "mpi" else None
-    assert [res["rank"] for res in results] == list(range(n))
-    assert all(res["context"] == expected for res in results), results
-    assert all(res["seen"] == math.ceil(11 / n) for res in results), results
+def test_split_and_dataloader_workers_on_real_ranks(worlds, backend: str, n: int, behaviour: str) -> None:
+    worlds.check(bodies.data_world, backend, n, behaviour, args=(backend, n), op_timeout=30)

@@ -1,10 +1,11 @@
 """phalanx.synchronize: every kind of object on worlds of 1, 2 and 3 ranks per backend, plus the
 tree helpers and the single-process rules in-process.
 
-Each world runs the whole body in ``worlds_data.synchronize_everything``: models, optimizers
+Each world runs the whole body in ``worlds_sync.synchronize_everything``: models, optimizers
 (with and without state), schedulers, state dicts, tensors and arrays of many dtypes, scalars,
 namedtuples and dataclasses, from root 0 and from the last rank; the number of broadcasts
 (fusion); and mismatched structures, which must raise on every rank and leave the world usable.
+Each behaviour is its own test id.
 """
 
 from __future__ import annotations
@@ -16,17 +17,22 @@ import numpy as np
 import pytest
 
 import phalanx
-import worlds_data as bodies
+import worlds_sync as bodies
 from conftest import ALL_WORLDS, AVAILABLE, world_params
 from phalanx._tree import flatten, unflatten
 from phalanx.testing import run_world
 
 
+@pytest.mark.parametrize("behaviour", bodies.SYNC.names)
 @pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
-def test_synchronize_every_kind_of_object(backend: str, n: int) -> None:
-    results = run_world(bodies.synchronize_everything, n, backend, op_timeout=30)
-    assert len(results) == n
-    assert all(res["checks"] >= (150 if n > 1 else 75) for res in results), results
+def test_synchronize_every_kind_of_object(worlds, backend: str, n: int, behaviour: str) -> None:
+    worlds.check(bodies.synchronize_everything, backend, n, behaviour, op_timeout=30)
+
+
+@pytest.mark.parametrize("behaviour", bodies.MISMATCHES.names)
+@pytest.mark.parametrize("backend,n", world_params([w for w in ALL_WORLDS if w[1] > 1]))
+def test_synchronize_mismatches_raise_on_every_rank(worlds, backend: str, n: int, behaviour: str) -> None:
+    worlds.check(bodies.synchronize_everything, backend, n, behaviour, op_timeout=30)  # the same world
 
 
 # -- the tree helpers -------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Test bodies run on every rank of a world (imported by the rank processes).
 
-Each body checks many things against a NumPy reference and returns a small
-summary; an AssertionError on any rank fails the world with every rank's output.
+Each body runs many named behaviours (``behaviours.Behaviours``) against a NumPy
+reference and reports each by name, so one failure does not hide the others.
 The inputs are deterministic functions of the rank, so every rank can compute
 what every other rank sent and therefore the expected result.
 """
@@ -66,70 +66,113 @@ def same_type(got, sent, what: str) -> None:
     assert got.dtype == sent.dtype, f"{what}: returned dtype {got.dtype} for {sent.dtype}"
 
 
-def collectives() -> dict[str, int]:
-    """Every collective x container x dtype x op against NumPy; returns counts of checks."""
-    r, n = phalanx.rank(), phalanx.size()
-    checks = 0
-    cases = [("numpy", d) for d in NUMPY_DTYPES] + [("torch", d) for d in TORCH_DTYPES]
-    shape = (2, 3)
-    for kind, dtype in cases:
-        mine = rank_input(r, shape, dtype)
-        everyone = [rank_input(q, shape, dtype) for q in range(n)]
-        label = f"{kind} {dtype}"
-        for op in OPS_FOR.get(dtype, FLOAT_OPS):
-            x = make(kind, mine, dtype)
-            out = phalanx.allreduce(x, op=op)
-            want = reference(op, everyone)
-            if dtype == "bool":
-                want = want.astype(bool).astype(np.float64)
-            close(out, want, dtype, f"allreduce {label} {op}")
-            close(x, want, dtype, f"allreduce {label} {op} (in place)")
-            same_type(out, x, f"allreduce {label}")
-            root = n - 1
-            x = make(kind, mine, dtype)
-            out = phalanx.reduce(x, op=op, root=root)
-            close(out, want if r == root else mine, dtype, f"reduce {label} {op} root={root}")
-            x = make(kind, mine, dtype)
-            h = phalanx.iallreduce(x, op=op)
-            close(h.wait(), want, dtype, f"iallreduce {label} {op}")
-            assert h.test(), "a completed handle must test() True"
-            checks += 4
-            if op in ("sum", "max", "avg") or dtype == "bool":
-                chunks = [np.concatenate([e] * n) for e in everyone]  # first axis n*2
-                x = make(kind, chunks[r], dtype)
-                out = phalanx.reduce_scatter(x, op=op)
-                full = reference(op, chunks)
-                if dtype == "bool":
-                    full = full.astype(bool).astype(np.float64)
-                close(out, full[r * 2:(r + 1) * 2], dtype, f"reduce_scatter {label} {op}")
-                same_type(out, x, f"reduce_scatter {label}")
-                checks += 1
-        for root in range(n):
-            x = make(kind, mine, dtype)
-            out = phalanx.broadcast(x, root=root)
-            close(out, everyone[root], dtype, f"broadcast {label} root={root}")
-            close(x, everyone[root], dtype, f"broadcast {label} root={root} (in place)")
-            out = phalanx.ibroadcast(make(kind, mine, dtype), root=root).wait()
-            close(out, everyone[root], dtype, f"ibroadcast {label} root={root}")
-            x = make(kind, mine, dtype)
-            got = phalanx.gather(x, root=root)
-            if r == root:
-                close(got, np.stack(everyone), dtype, f"gather {label} root={root}")
-                same_type(got, x, f"gather {label}")
-            else:
-                assert got is None, f"gather {label}: non-root rank got {got!r}, expected None"
-            checks += 3
+COLLECTIVES = Behaviours()
+CASES = [("numpy", d) for d in NUMPY_DTYPES] + [("torch", d) for d in TORCH_DTYPES]
+SHAPE = (2, 3)
+
+
+def _inputs(r: int, n: int, dtype: str) -> tuple[np.ndarray, list[np.ndarray]]:
+    return rank_input(r, SHAPE, dtype), [rank_input(q, SHAPE, dtype) for q in range(n)]
+
+
+def _want(op: str, arrays: list[np.ndarray], dtype: str) -> np.ndarray:
+    want = reference(op, arrays)
+    return want.astype(bool).astype(np.float64) if dtype == "bool" else want
+
+
+def _allreduce(r: int, n: int, kind: str, dtype: str) -> None:
+    mine, everyone = _inputs(r, n, dtype)
+    for op in OPS_FOR.get(dtype, FLOAT_OPS):
         x = make(kind, mine, dtype)
-        out = phalanx.allgather(x)
-        close(out, np.stack(everyone), dtype, f"allgather {label}")
-        same_type(out, x, f"allgather {label}")
-        close(x, mine, dtype, f"allgather {label} leaves the input alone")
-        blocks = [np.concatenate([rank_input(q * 10 + j, (1, 3), dtype) for j in range(n)]) for q in range(n)]
-        x = make(kind, blocks[r], dtype)
-        out = phalanx.alltoall(x)
-        close(out, np.concatenate([blocks[q][r:r + 1] for q in range(n)]), dtype, f"alltoall {label}")
-        checks += 2
-    return {"checks": checks}
+        out = phalanx.allreduce(x, op=op)
+        want = _want(op, everyone, dtype)
+        close(out, want, dtype, f"allreduce {kind} {dtype} {op}")
+        close(x, want, dtype, f"allreduce {kind} {dtype} {op} (in place)")
+        same_type(out, x, f"allreduce {kind} {dtype}")
+
+
+def _reduce(r: int, n: int, kind: str, dtype: str) -> None:
+    mine, everyone = _inputs(r, n, dtype)
+    root = n - 1
+    for op in OPS_FOR.get(dtype, FLOAT_OPS):
+        out = phalanx.reduce(make(kind, mine, dtype), op=op, root=root)
+        close(out, _want(op, everyone, dtype) if r == root else mine, dtype,
+              f"reduce {kind} {dtype} {op} root={root}")
+
+
+def _iallreduce(r: int, n: int, kind: str, dtype: str) -> None:
+    mine, everyone = _inputs(r, n, dtype)
+    for op in OPS_FOR.get(dtype, FLOAT_OPS):
+        h = phalanx.iallreduce(make(kind, mine, dtype), op=op)
+        close(h.wait(), _want(op, everyone, dtype), dtype, f"iallreduce {kind} {dtype} {op}")
+        assert h.test(), "a completed handle must test() True"
+
+
+def _reduce_scatter(r: int, n: int, kind: str, dtype: str) -> None:
+    chunks = [np.concatenate([rank_input(q, SHAPE, dtype)] * n) for q in range(n)]  # first axis n*2
+    for op in OPS_FOR.get(dtype, FLOAT_OPS):
+        if op not in ("sum", "max", "avg") and dtype != "bool":
+            continue
+        x = make(kind, chunks[r], dtype)
+        out = phalanx.reduce_scatter(x, op=op)
+        close(out, _want(op, chunks, dtype)[r * 2:(r + 1) * 2], dtype, f"reduce_scatter {kind} {dtype} {op}")
+        same_type(out, x, f"reduce_scatter {kind} {dtype}")
+
+
+def _broadcast(r: int, n: int, kind: str, dtype: str) -> None:
+    mine, everyone = _inputs(r, n, dtype)
+    for root in range(n):
+        x = make(kind, mine, dtype)
+        out = phalanx.broadcast(x, root=root)
+        close(out, everyone[root], dtype, f"broadcast {kind} {dtype} root={root}")
+        close(x, everyone[root], dtype, f"broadcast {kind} {dtype} root={root} (in place)")
+
+
+def _ibroadcast(r: int, n: int, kind: str, dtype: str) -> None:
+    mine, everyone = _inputs(r, n, dtype)
+    for root in range(n):
+        out = phalanx.ibroadcast(make(kind, mine, dtype), root=root).wait()
+        close(out, everyone[root], dtype, f"ibroadcast {kind} {dtype} root={root}")
+
+
+def _gather(r: int, n: int, kind: str, dtype: str) -> None:
+    mine, everyone = _inputs(r, n, dtype)
+    for root in range(n):
+        x = make(kind, mine, dtype)
+        got = phalanx.gather(x, root=root)
+        if r == root:
+            close(got, np.stack(everyone), dtype, f"gather {kind} {dtype} root={root}")
+            same_type(got, x, f"gather {kind} {dtype}")
+        else:
+            assert got is None, f"gather {kind} {dtype}: non-root rank got {got!r}, expected None"
+
+
+def _allgather(r: int, n: int, kind: str, dtype: str) -> None:
+    mine, everyone = _inputs(r, n, dtype)
+    x = make(kind, mine, dtype)
+    out = phalanx.allgather(x)
+    close(out, np.stack(everyone), dtype, f"allgather {kind} {dtype}")
+    same_type(out, x, f"allgather {kind} {dtype}")
+    close(x, mine, dtype, f"allgather {kind} {dtype} leaves the input alone")
+
+
+def _alltoall(r: int, n: int, kind: str, dtype: str) -> None:
+    blocks = [np.concatenate([rank_input(q * 10 + j, (1, 3), dtype) for j in range(n)]) for q in range(n)]
+    out = phalanx.alltoall(make(kind, blocks[r], dtype))
+    close(out, np.concatenate([blocks[q][r:r + 1] for q in range(n)]), dtype, f"alltoall {kind} {dtype}")
+
+
+for _kind, _dtype in CASES:
+    for _name, _check in [("allreduce", _allreduce), ("reduce", _reduce), ("iallreduce", _iallreduce),
+                          ("reduce_scatter", _reduce_scatter), ("broadcast", _broadcast),
+                          ("ibroadcast", _ibroadcast), ("gather", _gather), ("allgather", _allgather),
+                          ("alltoall", _alltoall)]:
+        COLLECTIVES.add(f"{_name}-{_kind}-{_dtype}", _check, _kind, _dtype)
+
+
+def collectives() -> dict[str, str | None]:
+    """Every collective x container x dtype (each behaviour covering every op and root) against NumPy."""
+    return COLLECTIVES.run(phalanx.rank(), phalanx.size())
 
 
 SCALARS_AND_EDGES = Behaviours()
@@ -196,11 +239,14 @@ def scalars_and_edges() -> dict[str, str | None]:
     return SCALARS_AND_EDGES.run(phalanx.rank(), phalanx.size())
 
 
-def nonblocking_order() -> int:
-    """Several handles in flight, waited in reverse order, mixed with blocking calls."""
+MIXED = Behaviours()
+_mixed = MIXED.behaviour
+
+
+@_mixed("handles-waited-in-reverse-order-around-a-blocking-call")
+def _(r: int, n: int, backend: str) -> None:
     import torch
 
-    r, n = phalanx.rank(), phalanx.size()
     a = np.full(4, float(r))
     b = torch.full((8,), float(r + 1))
     c = np.full(2, float(10 * r), dtype=np.float32)
@@ -212,52 +258,76 @@ def nonblocking_order() -> int:
     assert torch.equal(hb.wait(), torch.full((8,), float(n)))
     assert np.array_equal(ha.wait(), np.full(4, float(sum(range(n)))))
     assert np.array_equal(a, np.full(4, float(sum(range(n))))), "iallreduce updates in place"
+
+
+@_mixed("handles-tested-until-done-then-waited-in-reverse")
+def _(r: int, n: int, backend: str) -> None:
     handles = [phalanx.iallreduce(np.full(3, float(i + r))) for i in range(5)]
     while not all(h.test() for h in handles):
         pass
     for i, h in enumerate(handles[::-1]):
         j = 4 - i
         assert np.array_equal(h.wait(), np.full(3, float(n * j + sum(range(n)))))
-    return 6
 
 
-def objects() -> list:
-    """Object collectives are opt-in, then carry any picklable value."""
-    r = phalanx.rank()
+@_mixed("object-collectives-need-allow-pickle")
+def _(r: int, n: int, backend: str) -> None:
     try:
         phalanx.broadcast_object({"a": 1})
     except phalanx.PhalanxError as exc:
         assert "allow_pickle=True" in str(exc)
     else:
         raise AssertionError("broadcast_object without allow_pickle must raise")
+
+
+@_mixed("broadcast-object-carries-roots-value")
+def _(r: int, n: int, backend: str) -> None:
     got = phalanx.broadcast_object({"from": r, "data": [1, 2]} if r == 0 else None, allow_pickle=True)
     assert got == {"from": 0, "data": [1, 2]}, got
-    return phalanx.allgather_object(("rank", r), allow_pickle=True)
 
 
-def identity() -> dict:
-    """What a rank knows about itself."""
+@_mixed("allgather-object-gathers-every-ranks-value")
+def _(r: int, n: int, backend: str) -> None:
+    got = phalanx.allgather_object(("rank", r), allow_pickle=True)
+    assert got == [("rank", q) for q in range(n)], got
+
+
+@_mixed("rank-size-and-backend-are-the-launched-worlds")
+def _(r: int, n: int, backend: str) -> None:
+    assert phalanx.size() == n and phalanx.backend().name == backend, (phalanx.size(), phalanx.backend().name)
+    ranks = phalanx.allgather(np.int64(r)).tolist()
+    assert ranks == list(range(n)), f"ranks {ranks}"
+    assert phalanx.initialized() and phalanx.init() is phalanx.backend()
+    assert (phalanx.local_rank(), phalanx.local_size()) == (r, n), "one node"
+
+
+@_mixed("print-prefixes-every-line-with-rank-and-size")
+def _(r: int, n: int, backend: str) -> None:
     import io
-    import logging
     from contextlib import redirect_stdout
 
     buf = io.StringIO()
     with redirect_stdout(buf):
         phalanx.print("hello\nworld")
-    r, n = phalanx.rank(), phalanx.size()
     assert buf.getvalue() == f"[{r}/{n}] hello\n[{r}/{n}] world\n", repr(buf.getvalue())
+
+
+@_mixed("setup-logging-logs-on-rank-0-unless-all-ranks")
+def _(r: int, n: int, backend: str) -> None:
+    import io
+    import logging
+
     stream = io.StringIO()
     logger = logging.getLogger(f"phalanx-test-{r}")
     handler = phalanx.setup_logging(logging.INFO, logger=logger, fmt="%(rank)d/%(size)d %(message)s")
     handler.setStream(stream)
     logger.info("from every rank?")
     logger.info("opted in", extra={"all_ranks": True})
-    return {
-        "rank": r, "size": n, "backend": phalanx.backend().name, "local_rank": phalanx.local_rank(),
-        "local_size": phalanx.local_size(), "initialized": phalanx.initialized(), "log": stream.getvalue(),
-        "same_backend_again": phalanx.init() is phalanx.backend(),
-    }
+    expected = f"{r}/{n} opted in\n" if r else f"0/{n} from every rank?\n0/{n} opted in\n"
+    assert stream.getvalue() == expected, repr(stream.getvalue())
 
 
-def mixed() -> dict:
-    return {"order": nonblocking_order(), "objects": objects(), "identity": identity()}
+def mixed(backend: str, n: int) -> dict[str, str | None]:
+    """Handles in flight, object collectives, and what a rank knows about itself (``backend``/``n``:
+    the world the test asked for)."""
+    return MIXED.run(phalanx.rank(), n, backend)

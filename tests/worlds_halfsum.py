@@ -4,6 +4,8 @@ On MPI, buffers from 64 KiB travel as 16-bit words (phalanx's own
 reduce-scatter + allgather, ``phalanx.comm._halfsum``); elsewhere the backend
 sums them natively. Either way the result must be the sum of every rank's
 values computed in float32 and rounded to 16 bits (up to summation order).
+Each behaviour also checks which path each call took: the 16-bit one exactly
+on MPI with more than one rank, for every large call, and never below 64 KiB.
 """
 
 from __future__ import annotations
@@ -13,6 +15,25 @@ from typing import Any
 import numpy as np
 
 import phalanx
+from behaviours import Behaviours
+
+SUMS = Behaviours()
+LENGTHS = (100_003, 65_536, 40_000 * 3)  # not divisible by 2 or 3, and divisible
+
+
+class _World:
+    """What every behaviour needs: the rank, the world, and how many HalfSum reductions have started."""
+
+    def __init__(self, backend: str, size: int) -> None:
+        self.rank, self.size = phalanx.rank(), size
+        self.once = backend in ("mpi", "local") or size == 1  # MPI: phalanx adds in float32
+        self.sixteen_bit = backend == "mpi" and size > 1
+        self.started = 0
+
+    def expect_paths(self, before: int, large_calls: int) -> None:
+        """Since ``before``, ``large_calls`` calls took the 16-bit path on MPI with >1 rank, none elsewhere."""
+        want = large_calls if self.sixteen_bit else 0
+        assert self.started - before == want, f"{self.started - before} 16-bit reductions, expected {want}"
 
 
 def _data(torch: Any, rank: int, n: int, dtype: Any) -> Any:
@@ -32,50 +53,70 @@ def _close(torch: Any, got: Any, want: Any, absum: Any, dtype: Any, one_rounding
     return bool((err <= bound).all())
 
 
-def sums() -> dict[str, int]:
+def _torch_sum(w: _World, n: int, dtype_name: str, op: str) -> None:
     import torch
 
+    dtype = getattr(torch, dtype_name)
+    everyone = [_data(torch, r, n, dtype).float() for r in range(w.size)]
+    div = w.size if op == "avg" else 1
+    want, absum = sum(everyone) / div, sum(e.abs() for e in everyone) / div
+    before = w.started
+    x = _data(torch, w.rank, n, dtype)
+    got = phalanx.allreduce(x, op=op)
+    assert got.data_ptr() == x.data_ptr() and got.dtype == dtype, "in place"
+    assert _close(torch, got, want, absum, dtype, w.once, w.size), (n, dtype, op)
+    handle = phalanx.iallreduce(_data(torch, w.rank, n, dtype), op=op)
+    assert _close(torch, handle.wait(), want, absum, dtype, w.once, w.size), (n, dtype, op, "iallreduce")
+    w.expect_paths(before, 2)
+
+
+def _numpy_read_only(w: _World, n: int) -> None:
+    """NumPy float16, not in place (a read-only array gets a new result)."""
+    import torch
+
+    before = w.started
+    x = _data(torch, w.rank, n, torch.float16).numpy()
+    x.setflags(write=False)
+    got = phalanx.allreduce(x)
+    everyone = [_data(torch, r, n, torch.float16).float() for r in range(w.size)]
+    assert got is not x and got.dtype == np.float16
+    assert _close(torch, got.astype(np.float32), sum(everyone), sum(e.abs() for e in everyone),
+                  torch.float16, w.once, w.size)
+    w.expect_paths(before, 1)
+
+
+for _n in LENGTHS:
+    for _dtype in ("bfloat16", "float16"):
+        for _op in ("sum", "avg"):
+            SUMS.add(f"torch-{_dtype}-{_op}-of-{_n}", _torch_sum, _n, _dtype, _op)
+    SUMS.add(f"numpy-float16-read-only-sum-of-{_n}", _numpy_read_only, _n)
+
+
+@SUMS.behaviour("below-64-KiB-takes-the-float32-path")
+def _(w: _World) -> None:
+    import torch
+
+    before = w.started
+    small = phalanx.allreduce(torch.ones(10, dtype=torch.bfloat16))
+    assert torch.equal(small, torch.full((10,), float(w.size), dtype=torch.bfloat16))
+    assert w.started == before, f"{w.started - before} 16-bit reductions for 20 bytes"
+
+
+def sums(backend: str, n: int) -> dict[str, str | None]:
+    """Every behaviour of SUMS, counting HalfSum reductions (``backend``/``n``: the world asked for)."""
     from phalanx.comm import _halfsum
 
-    used = {"n": 0}
+    assert phalanx.backend().name == backend and phalanx.size() == n, (phalanx.backend().name, phalanx.size())
+    world = _World(backend, n)
     original = _halfsum.HalfSum
 
     class Counted(original):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            used["n"] += 1
+            world.started += 1
             super().__init__(*args, **kwargs)
 
     _halfsum.HalfSum = Counted
-    rank, size = phalanx.rank(), phalanx.size()
-    once = phalanx.backend().name in ("mpi", "local") or size == 1  # MPI: phalanx adds in float32
-    checks = 0
     try:
-        for n in (100_003, 65_536, 40_000 * 3):  # not divisible by 2 or 3, and divisible
-            for dtype in (torch.bfloat16, torch.float16):
-                for op in ("sum", "avg"):
-                    everyone = [_data(torch, r, n, dtype).float() for r in range(size)]
-                    div = size if op == "avg" else 1
-                    want, absum = sum(everyone) / div, sum(e.abs() for e in everyone) / div
-                    x = _data(torch, rank, n, dtype)
-                    got = phalanx.allreduce(x, op=op)
-                    assert got.data_ptr() == x.data_ptr() and got.dtype == dtype  # in place
-                    assert _close(torch, got, want, absum, dtype, once, size), (n, dtype, op)
-                    handle = phalanx.iallreduce(_data(torch, rank, n, dtype), op=op)
-                    assert _close(torch, handle.wait(), want, absum, dtype, once, size), (n, dtype, op)
-                    checks += 2
-            # NumPy float16, not in place (a read-only array gets a new result)
-            x = _data(torch, rank, n, torch.float16).numpy()
-            x.setflags(write=False)
-            got = phalanx.allreduce(x)
-            everyone = [_data(torch, r, n, torch.float16).float() for r in range(size)]
-            assert got is not x and got.dtype == np.float16
-            assert _close(torch, got.astype(np.float32), sum(everyone), sum(e.abs() for e in everyone),
-                          torch.float16, once, size)
-            checks += 1
-        small = phalanx.allreduce(torch.ones(10, dtype=torch.bfloat16))  # below 64 KiB: the float32 path
-        assert torch.equal(small, torch.full((10,), float(size), dtype=torch.bfloat16))
+        return SUMS.run(world)
     finally:
         _halfsum.HalfSum = original
-    mpi = phalanx.backend().name == "mpi" and size > 1
-    assert (used["n"] > 0) == mpi, (used, phalanx.backend().name, size)
-    return {"checks": checks, "sixteen_bit": used["n"]}
