@@ -4,12 +4,13 @@ While a 3-rank world is running (`phalanx run`, mpi and gloo), every process
 of the job is listed with its listening TCP sockets and unconnected UDP
 sockets (psutil). Every socket a rank opened itself must be bound to
 127.0.0.1 or ::1: the gloo store and gloo's pairs, MPI's transports (UCX,
-libfabric, Open MPI's TCP). MPICH's Hydra binds its control port to all
-interfaces and has no option to bind it elsewhere (`-iface lo` and
-`-localhost 127.0.0.1` only change the address its proxies connect to);
-its socket is inherited by the proxy and the ranks, so it is recognised as
-Hydra's by being held by mpiexec too, and reported, not asserted (see
-docs/design.md, "Listening sockets").
+libfabric, Open MPI's TCP). mpiexec's own control port binds every
+interface and cannot be told otherwise (MPICH's Hydra: `-iface lo` and
+`-localhost 127.0.0.1` only change the address its proxies connect to;
+Open MPI 5's PRRTE refuses a loopback-only out-of-band channel). Hydra's
+socket is inherited by the proxy and the ranks, so a socket mpiexec holds
+too is recognised as its own; those are reported, not asserted (see
+docs/design.md, "The launcher").
 """
 
 from __future__ import annotations

@@ -132,22 +132,23 @@ def hydra_args(banner: str, local: bool) -> list[str]:
 
 # Interface settings that keep a single-host job's listening sockets on the loopback interface:
 # UCX (MPICH's ch4:ucx, Open MPI's pml ucx), libfabric's tcp and sockets providers (ch4:ofi, Intel
-# MPI), Open MPI's TCP transport and its runtime's out-of-band channel (Open MPI 4: ORTE, 5: PRRTE).
+# MPI), Open MPI's TCP transport and its runtime's out-of-band channel (Open MPI 4's ORTE).
 LOOPBACK_ENV = {
     "UCX_NET_DEVICES": "lo",
     "FI_TCP_IFACE": "lo",
     "FI_SOCKETS_IFACE": "lo",
-    "OMPI_MCA_btl_tcp_if_include": "lo",
+    "OMPI_MCA_btl": "^tcp",  # one host: shared memory; its TCP transport binds every interface regardless
+    "OMPI_MCA_btl_tcp_if_include": "lo",  # where the user asks for TCP anyway
     "OMPI_MCA_oob_tcp_if_include": "lo",
-    "PRTE_MCA_oob_tcp_if_include": "lo",
-}
+}  # not PRRTE's oob_tcp_if_include (Open MPI 5): it refuses to run on loopback alone
 
 
 def loopback_env(env: dict[str, str]) -> list[str]:
     """Confine the ranks' listeners to the loopback interface (every rank runs here); returns the names set.
 
     A setting the user made is kept, and so is its family: Open MPI refuses ``if_include``
-    beside an ``if_exclude``.
+    beside an ``if_exclude``. Not confinable: the control ports of mpiexec itself (Hydra's,
+    Open MPI 5's prterun), which bind every interface whatever the settings.
     """
     added = []
     for name, value in LOOPBACK_ENV.items():
