@@ -10,13 +10,14 @@ its own: a peer (or the store) that cannot answer must not delay the error.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from typing import Any
 
 from ._errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
 from .comm._base import Backend
 
-__all__ = ["diagnose", "mismatch_error", "timeout_error", "where"]
+__all__ = ["call_site", "diagnose", "mismatch_error", "timeout_error", "where"]
 
 DIAGNOSIS_SLACK_S = 1.0  # on top of the grace: a diagnosis that takes longer is abandoned
 
@@ -36,6 +37,16 @@ _HINTS = {
             "calls are out of order on some rank.",
     "index": "Ranks have made a different number of collective calls so far.",
 }
+
+
+def call_site() -> str:
+    """file:line of the first frame outside phalanx (debug mode only: walking frames costs)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("phalanx."):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "?"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 def where(entry: dict[str, Any]) -> str:

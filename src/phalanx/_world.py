@@ -18,14 +18,13 @@ mode). One tiny allreduce, polled with a deadline, so that
 
 from __future__ import annotations
 
-import sys
 import warnings
 import zlib
 from collections import deque
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from ._agreement import mismatch_error, timeout_error, where
+from ._agreement import call_site, mismatch_error, timeout_error, where
 from ._arrays import Buffer
 from ._devices import rank_device
 from ._errors import (
@@ -143,7 +142,7 @@ class World:
             # hash is its address before Python 3.12, different in every process)
         signature = hash(key)
         if self.debug:
-            signature ^= zlib.crc32(_call_site().encode()) << 20
+            signature ^= zlib.crc32(call_site().encode()) << 20
         return signature & _MASK
 
     def describe(self, call: str, buf: Buffer | None, op: str | None, root: int,
@@ -158,7 +157,7 @@ class World:
         if step is not None:
             entry["step"] = step
         if self.debug:
-            entry["site"] = _call_site()
+            entry["site"] = call_site()
         return entry
 
     def explain_mismatch(self, call: str, buf: Buffer | None, op: str | None, root: int,
@@ -215,16 +214,6 @@ class World:
         """
         while self.pending:
             self.pending[0].post(block=True)
-
-
-def _call_site() -> str:
-    """file:line of the first frame outside phalanx (debug mode only: walking frames costs)."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("phalanx."):
-        frame = frame.f_back  # type: ignore[assignment]
-    if frame is None:
-        return "?"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno}"
 
 
 _WORLD: World | None = None
