@@ -152,13 +152,17 @@ class _Supervisor:
 
 
     def stop_after_failure(self, now: float) -> None:
-        """The first rank that ended by itself without an error is the failure: stop the others now.
+        """The first rank that ended by itself, not cleanly, is the failure: stop the others now.
+
+        Clean: the worker's ``exit-rank<r>`` marker, or exit status 0 where it could be read.
 
         Every other rank is still running (mpiexec kills none of them), so the order is certain.
         They get SIGKILL, as Hydra would have sent: they are blocked in MPI calls with a dead peer,
         where no Python signal handler runs. mpiexec then ends by itself.
         """
-        clean = marked_ranks(self.job_dir, "exit")
+        if not self.watch.dead:
+            return
+        clean = marked_ranks(self.job_dir, "exit") | {r for r, code in self.watch.status.items() if code == 0}
         ended = sorted((at, rank) for rank, at in self.watch.dead.items() if rank not in clean)
         if not ended:
             return
