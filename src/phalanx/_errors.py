@@ -25,6 +25,7 @@ __all__ = [
     "RankFailedError",
     "RendezvousError",
     "TrainingError",
+    "UnknownMetricError",
     "UnsupportedArgumentError",
     "UsageError",
     "WorldBrokenError",
@@ -149,3 +150,11 @@ class NonFiniteGradientError(PhalanxError, FloatingPointError):
     def __init__(self, message: str, *, ranks: list[int] | None = None) -> None:
         super().__init__(message)
         self.ranks = list(ranks or [])
+
+
+class UnknownMetricError(PhalanxError, KeyError):
+    """A :class:`phalanx.train.History` was asked for a metric it never recorded (the message lists
+    the recorded ones)."""
+
+    def __str__(self) -> str:  # KeyError would show the message in quotes
+        return str(self.args[0]) if self.args else ""

@@ -19,6 +19,8 @@ import math
 from collections.abc import Iterator
 from typing import Any
 
+from .._errors import UnknownMetricError
+
 __all__ = ["History"]
 
 
@@ -56,7 +58,8 @@ class History:
 
     def __getitem__(self, key: str) -> list[Any]:
         if key not in self.keys():
-            raise KeyError(f"History has no metric {key!r}; it has {', '.join(self.keys()) or 'none'}")
+            raise UnknownMetricError(f"history[{key!r}]: no metric of that name was recorded; it has "
+                                     f"{', '.join(self.keys()) or 'none'}. Check the name (e.g. 'val/top1').")
         return [r[key] for r in self.records if key in r]
 
     def __contains__(self, key: object) -> bool:
