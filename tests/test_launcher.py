@@ -204,6 +204,20 @@ def test_the_start_timeout_comes_from_the_environment(tmp_path: Path) -> None:
     assert out.returncode == 1 and "within the start timeout of 2 s" in out.stderr, out.stderr
 
 
+@pytest.mark.skipif("mpi" not in AVAILABLE, reason="no mpi backend here")
+def test_the_start_timeout_is_not_applied_where_ranks_may_run_on_other_hosts(tmp_path: Path) -> None:
+    # Ranks on other hosts cannot leave their markers in this host's job directory: naming a host
+    # list makes the launcher assume they may, so a late rank here is not taken for a missing one.
+    from phalanx.launch._mpi_flavor import find_mpiexec, mpiexec_flavor
+
+    mpiexec = find_mpiexec(None)
+    assert mpiexec is not None
+    hosts = "--host localhost:2" if mpiexec_flavor(mpiexec).family == "openmpi" else "-hosts localhost"
+    job = script(tmp_path, LATE_RANK.replace("time.sleep(60)", "time.sleep(3)"))
+    out = phalanx_cli("run", "-n", "2", "--backend", "mpi", "--start-timeout", "1", f"--mpi-args={hosts}", str(job))
+    assert out.returncode == 0, out.stderr
+
+
 def test_a_job_that_never_calls_init_is_not_stopped_by_the_start_timeout(tmp_path: Path) -> None:
     job = script(tmp_path, "import time\ntime.sleep(2)\nprint('slept')\n")
     out = phalanx_cli("run", "-n", "2", "--backend", "gloo", "--start-timeout", "0.5", str(job))

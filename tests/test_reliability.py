@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 
 import worlds_reliability as bodies
 from conftest import AVAILABLE, MULTI_WORLDS, world_params
+from phalanx.launch._spawn import free_port
 from phalanx.testing import WorldFailed, run_world
 
 OP_TIMEOUT = 4.0
@@ -86,15 +86,9 @@ pytestmark_gloo = pytest.mark.skipif("gloo" not in AVAILABLE, reason="backend 'g
 INIT = "import phalanx; phalanx.init(); print('joined', flush=True)"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_ranks(ranks: list[int], world_size: int, timeout: float) -> list[tuple[int, int, str, float]]:
     """Start ``ranks`` of a gloo world of ``world_size`` (no LOCAL_RANK); (rank, code, stderr, seconds)."""
-    port = _free_port()
+    port = free_port()
     procs = []
     start = time.monotonic()
     for r in ranks:

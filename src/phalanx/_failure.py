@@ -22,15 +22,24 @@ from typing import Any
 
 from ._files import write_atomically
 
-__all__ = ["install_abort_hook", "mark_rank", "record_failure"]
+__all__ = ["env_rank", "install_abort_hook", "mark_rank", "record_failure"]
 
 JOB_DIR_ENV = "PHALANX_JOB_DIR"
 
 
-def _rank() -> int:
-    for name in ("PHALANX_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        value = os.environ.get(name)
-        if value and value.isdigit():
+# Set by the launchers phalanx supports (phalanx run/torchrun, Open MPI, Hydra, PMIx, Slurm).
+_RANK_VARS = ("PHALANX_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+
+
+def env_rank() -> int:
+    """This process's rank as its launcher set it in the environment (0 when none did).
+
+    Read from the environment because it is needed before (or without) a formed world:
+    before MPI is initialized, and by a rank whose world never formed.
+    """
+    for name in _RANK_VARS:
+        value = os.environ.get(name, "")
+        if value.isdigit():
             return int(value)
     return 0
 
@@ -41,7 +50,7 @@ def record_failure(exc_type: type[BaseException], exc: BaseException, tb: Traceb
     job_dir = os.environ.get(JOB_DIR_ENV)
     if not job_dir:
         return
-    rank = _rank() if rank is None else rank
+    rank = env_rank() if rank is None else rank
     record = {
         "rank": rank,
         "time": time.time(),
@@ -65,7 +74,7 @@ def mark_rank(kind: str, rank: int | None = None) -> None:
     job_dir = os.environ.get(JOB_DIR_ENV)
     if not job_dir:
         return
-    rank = _rank() if rank is None else rank
+    rank = env_rank() if rank is None else rank
     with contextlib.suppress(OSError):  # on another host the job directory may not exist
         open(os.path.join(job_dir, f"{kind}-rank{rank}"), "wb").close()
 

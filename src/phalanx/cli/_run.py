@@ -52,7 +52,9 @@ def add_run_options(parser: argparse.ArgumentParser, *, n_default: int | None = 
                         help="seconds a collective may wait for the other ranks (sets PHALANX_TIMEOUT)")
     parser.add_argument("--start-timeout", type=float, metavar="S",
                         help="seconds every rank has to reach phalanx.init once another rank has; else the "
-                             "job ends naming the missing ranks (default PHALANX_START_TIMEOUT or 600)")
+                             "job ends naming the missing ranks (default PHALANX_START_TIMEOUT or 600). Not applied to "
+                             "mpi jobs that may place ranks on other hosts (--mpi-args naming hosts, a batch "
+                             "allocation)")
     parser.add_argument("--mpiexec", metavar="PATH", help="the mpiexec to use (default: the one beside "
                         "this Python, e.g. from `pip install mpich`, then PATH)")
     parser.add_argument("--mpi-args", default="", metavar="'ARGS'",

@@ -68,7 +68,7 @@ class Launch:
     mpi_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the ranks
     stop_grace: float | None = None  # after a user's Ctrl-C/SIGTERM, before SIGKILL
-    start_timeout: float | None = None  # every rank must reach phalanx.init within it
+    start_timeout: float | None = None  # every rank must reach phalanx.init within it (only when all_local)
 
     def resolve_settings(self) -> None:
         """Fill ``stop_grace`` and ``start_timeout`` from the environment (LaunchError when malformed)."""

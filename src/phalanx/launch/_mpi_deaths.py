@@ -9,6 +9,7 @@ exits (Linux pidfds, opened from the ``pid-rank<r>`` files the workers leave).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import select
@@ -19,7 +20,7 @@ import time
 from ._jobdir import pid_files
 from ._report import ECHOES, Death
 
-__all__ = ["HOST", "Watch", "deaths_from"]
+__all__ = ["HOST", "Watch", "can_watch_deaths", "deaths_from"]
 
 HOST = socket.gethostname()
 
@@ -64,6 +65,23 @@ def deaths_from(text: str, code: int, records: dict[int, dict[str, object]], see
     return deaths
 
 
+@functools.lru_cache(maxsize=1)
+def can_watch_deaths() -> bool:
+    """True when this system lets the launcher watch processes end (``pidfd_open``: Linux 5.3+).
+
+    Probed once on the launcher itself: old kernels, gVisor and seccomp filters refuse it with
+    ``ENOSYS``/``EPERM``, and there :class:`Watch` sees nothing rather than every rank dead.
+    """
+    if not hasattr(os, "pidfd_open"):
+        return False
+    try:
+        fd = os.pidfd_open(os.getpid())
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
 def _zombie_status(pid: int) -> int | None:
     """The exit status of a process that has ended but not yet been reaped by its parent (Linux).
 
@@ -83,7 +101,8 @@ def _zombie_status(pid: int) -> int | None:
 
 
 class Watch:
-    """Notices the moment each rank on this host exits (Linux pidfds; elsewhere it sees nothing).
+    """Notices the moment each rank on this host exits (Linux pidfds; where :func:`can_watch_deaths`
+    is false it sees nothing).
 
     The ranks are mpiexec's grandchildren, so their exit status is out of reach, but the
     order of their deaths tells which one failed first."""
@@ -95,7 +114,7 @@ class Watch:
         self.dead: dict[int, float] = {}
         self.status: dict[int, int] = {}  # rank -> exit status (negative: signal), when it could be read
         self.pids: dict[int, int] = {}  # rank -> pid
-        self.poller = select.poll() if hasattr(os, "pidfd_open") else None
+        self.poller = select.poll() if can_watch_deaths() else None
 
     def wait(self, timeout: float) -> None:
         if self.poller is None:
@@ -108,8 +127,10 @@ class Watch:
             self.pids[rank] = pid
             try:
                 fd = os.pidfd_open(pid)
-            except OSError:  # gone before it could be watched: it ended before now
+            except ProcessLookupError:  # gone before it could be watched: it ended before now
                 self.dead.setdefault(rank, time.time())
+                continue
+            except OSError:  # e.g. out of file descriptors: this rank goes unwatched, not dead
                 continue
             self.fds[fd] = rank
             self.poller.register(fd, select.POLLIN)

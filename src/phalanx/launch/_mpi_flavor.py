@@ -118,16 +118,20 @@ def openmpi_args(job: Launch, flavor: Flavor, env: dict[str, str], ours: list[st
     return args
 
 
-def hydra_args(banner: str, local: bool) -> list[str]:
-    """MPICH's Hydra, every rank here: the launcher, not Hydra, stops the ranks after a failure.
+def hydra_args(banner: str, watched: bool) -> list[str]:
+    """MPICH's Hydra, every rank here and watched: the launcher, not Hydra, stops the ranks after a failure.
 
     Hydra kills every rank with SIGKILL the moment one dies, and a process killed first can
     be seen to go after those killed later (tearing down a large address space takes time),
     so the order of deaths would not say which rank failed. With ``-disable-auto-cleanup``
     the failing rank is the only one that dies by itself; the launcher, which watches every
     rank here, names it and stops the others. ``MPI_Abort`` still ends the job at once.
+
+    ``watched``: every rank runs here and the launcher can see each one end (pidfds). Without
+    that, the survivors of a rank killed by a signal could block in an MPI call forever, so
+    Hydra keeps its own clean-up.
     """
-    return ["-disable-auto-cleanup"] if local and banner.startswith("Hydra") else []
+    return ["-disable-auto-cleanup"] if watched and banner.startswith("Hydra") else []
 
 
 # Interface settings that keep a single-host job's listening sockets on the loopback interface:

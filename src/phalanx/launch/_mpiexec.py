@@ -3,9 +3,9 @@
 ``run_mpi`` is three steps: :func:`mpi_command` (which mpiexec, with the
 arguments its implementation needs), :class:`_Supervisor` (passes the user's
 signals on, ends a job whose failing rank's ``MPI_Abort`` did not, and a job
-whose ranks do not all reach ``phalanx.init`` in time) and :func:`_report`
-(names the rank that failed first, from the failure records, mpiexec's
-output and the order the ranks were seen to die).
+whose ranks do not all reach ``phalanx.init`` in time, when every rank runs on
+this host) and :func:`_report` (names the rank that failed first, from the
+failure records, mpiexec's output and the order the ranks were seen to die).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .._errors import LaunchError
 from ._job import GRACE, Launch, Signals, all_local, worker_command
 from ._jobdir import any_record, marked_ranks, pid_files, read_records
 from ._logs import FileFollower, log_path, pump
-from ._mpi_deaths import HOST, Watch, deaths_from
+from ._mpi_deaths import HOST, Watch, can_watch_deaths, deaths_from
 from ._mpi_flavor import (
     INSTALL_HINT,
     check_library,
@@ -61,7 +61,10 @@ def mpi_command(job: Launch, env: dict[str, str]) -> tuple[list[str], bool]:
     local = all_local(job)
     if local:  # nothing needs to reach these ranks from another host
         loopback_env(env)
-    extra = openmpi_args(job, flavor, env, ours) if flavor.family == "openmpi" else hydra_args(flavor.banner, local)
+    if flavor.family == "openmpi":
+        extra = openmpi_args(job, flavor, env, ours)
+    else:  # the launcher can stop the ranks itself only where it sees each of them end
+        extra = hydra_args(flavor.banner, local and can_watch_deaths())
     return [mpiexec, "-n", str(job.n), *extra, *job.mpi_args, *worker_command(job.target)], bool(extra) and local
 
 
@@ -77,7 +80,10 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
              pump(proc.stderr, [sys.stderr.buffer], tail=tails[1])]
     follower = FileFollower(job.log_dir, job.n, job.echo).start() if job.log_dir is not None else None
     watch = Watch(job_dir)
-    clock = StartClock(job_dir, job.n, job.start_timeout or float("inf"))
+    # Ranks on other hosts cannot leave their init/ready markers in this host's job dir: the start
+    # timeout is only kept where every rank runs here.
+    timeout = (job.start_timeout or float("inf")) if all_local(job) else float("inf")
+    clock = StartClock(job_dir, job.n, timeout)
     supervisor = _Supervisor(job, proc, job_dir, signals, watch, clock, own_cleanup)
     try:
         supervisor.run()

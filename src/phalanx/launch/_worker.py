@@ -29,17 +29,7 @@ import sys
 import traceback
 from typing import Any
 
-# Set by the launchers phalanx supports (phalanx run/torchrun, Open MPI, Hydra, PMIx, Slurm):
-# the rank is needed before MPI is initialized, so it is read from the environment.
-_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
-
-
-def env_rank() -> int:
-    for name in _RANK_VARS:
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
+from .._failure import env_rank, record_failure  # the rank is needed before MPI is initialized
 
 
 def _mpi() -> Any:
@@ -118,8 +108,6 @@ def fail(exc: BaseException) -> None:
     exc = _user_frames(exc)
     try:
         traceback.print_exception(type(exc), exc, exc.__traceback__)
-        from phalanx._failure import record_failure
-
         record_failure(type(exc), exc, exc.__traceback__, rank)
     finally:
         mpi = _mpi()
