@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
-__all__ = ["nan_in_backward", "raise_in_backward", "requires_cuda"]
+__all__ = ["doc_problems", "nan_in_backward", "raise_in_backward", "requires_cuda"]
 
 
 @functools.cache
@@ -46,3 +47,28 @@ def requires_cuda(gpus: int = 1) -> Any:
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return pytest.mark.skipif(visible < gpus, reason=f"needs {gpus} CUDA GPU{'s' * (gpus > 1)}, {visible} visible")
+
+
+POINTERS = ("module docstring", "see the docstring", "as for ", "raises as ")  # phrases that send the reader elsewhere
+
+
+def doc_problems(name: str, obj: Any) -> list[str]:
+    """Why ``help(obj)`` does not stand alone: no docstring, no short first line, a pointer elsewhere, or
+    an argument of its signature (``__init__``'s for a class; ``*args``/``**kwargs`` by name) not named."""
+    doc = inspect.getdoc(obj) or ""
+    if not doc:
+        return [f"{name}: no docstring"]
+    problems = []
+    first = doc.splitlines()[0]
+    if not first or len(first) > 110:
+        problems.append(f"{name}: one line of semantics first, got {first!r}")
+    flat = " ".join(doc.lower().split())
+    problems += [f"{name} points elsewhere: {p!r}" for p in POINTERS if p in flat]
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    # a class with a built-in __init__ (most exceptions) or a Protocol (made by no one) has nothing to name
+    if inspect.isfunction(target) and not getattr(obj, "_is_protocol", False):
+        params = [p for p in inspect.signature(target).parameters if p != "self"]
+        missing = [p for p in params if p not in doc]
+        if missing:
+            problems.append(f"{name}: arguments not described: {missing}")
+    return problems

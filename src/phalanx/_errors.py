@@ -37,7 +37,11 @@ class PhalanxError(Exception):
 
 
 class NotInitializedError(PhalanxError, RuntimeError):
-    """A phalanx function was called before :func:`phalanx.init`."""
+    """A phalanx function was called before :func:`phalanx.init`.
+
+    ``what``: the name of the function that was called, e.g. ``"allreduce"`` (the
+    message names it and says to call ``phalanx.init()`` first).
+    """
 
     def __init__(self, what: str) -> None:
         super().__init__(
@@ -70,6 +74,7 @@ class CollectiveTimeoutError(PhalanxError, TimeoutError):
     the waiting ranks could tell); ``elsewhere`` maps ranks that were waiting
     in a *different* call to a description of that call. After this error the
     world cannot be used any more (MPI cannot cancel a collective in flight).
+    ``message``: the text ``str()`` shows (what timed out, after how long, the fix).
     """
 
     def __init__(
@@ -141,10 +146,11 @@ class InvalidSettingError(PhalanxError, ValueError):
 
 
 class NonFiniteGradientError(PhalanxError, FloatingPointError):
-    """Raised on every rank alike when some rank's *local* gradients held NaN/Inf before they were
-    reduced (``nonfinite="raise"`` on ``phalanx.torch.DistributedOptimizer``/``DataParallel``).
+    """Some rank's *local* gradients held NaN/Inf before they were reduced (raised on every rank alike).
 
-    ``ranks`` lists the ranks whose own gradients were not finite.
+    Raised with ``nonfinite="raise"`` on ``phalanx.torch.DistributedOptimizer``/``DataParallel``.
+    ``message``: the text ``str()`` shows; ``ranks`` lists the ranks whose own
+    gradients were not finite.
     """
 
     def __init__(self, message: str, *, ranks: list[int] | None = None) -> None:

@@ -84,11 +84,31 @@ class _Leaf:
 def synchronize(obj: Any, root: int = 0) -> Any:
     """Make every rank hold ``root``'s values of ``obj``; return the synchronized object.
 
-    Mutable things (tensors, arrays, modules, optimizers, dicts, lists,
-    dataclasses) are updated in place and returned; Python scalars and tuples
-    come back as new values, so use the return value. See the module
-    docstring for what is synchronized. Collective: every rank must call it
-    with the same structure (same keys, shapes and dtypes) and the same ``root``.
+    >>> model = phalanx.synchronize(model)   # parameters and buffers, in place
+    >>> state = phalanx.synchronize({"model": model, "opt": opt, "epoch": epoch})
+
+    Arguments:
+        obj: what to synchronize, anywhere in nested dicts, lists, tuples,
+            namedtuples and dataclasses: ``torch.nn.Module`` (parameters and
+            buffers), ``torch.optim.Optimizer`` (its existing ``state`` and the
+            numeric hyperparameters of its ``param_groups``; not its parameters:
+            synchronize the model too), LR schedulers (through ``state_dict()``),
+            tensors and NumPy arrays, Python ``bool``/``int``/``float`` and NumPy
+            scalars. Anything else (str, None, functions, other objects) is left
+            as it is. The same structure (keys, shapes, dtypes, devices) on every rank.
+        root: the rank whose values every rank ends up with, the same on every rank.
+
+    Returns ``obj`` synchronized: mutable things (tensors, arrays, modules,
+    optimizers, dicts, lists, dataclasses) are updated in place and returned;
+    Python scalars and tuples come back as new values, so use the return value.
+    Collective: every rank must call it. Leaves under 1 MiB travel fused in one
+    buffer per device, larger ones on their own, straight into their memory.
+
+    Raises InvalidArgumentError (a ``root`` that is not a rank),
+    CollectiveMismatchError (ranks passed different structures: raised on every
+    rank, naming the first differing entry, before any data moves; the world stays
+    usable), UnsupportedArgumentError (a leaf that cannot be sent, e.g. an object
+    array), CollectiveTimeoutError and RankFailedError (a rank never came or died).
     """
     world = current("synchronize")
     if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < world.size:

@@ -88,8 +88,8 @@ def withdevices(fn: Callable[[int, torch.device], T],
 
     Arguments:
         fn: called as ``fn(i, device)`` for replica ``i``.
-        replicas: a :class:`Replicas`, a list of devices, or an int k (as for
-            :func:`replicate`: k GPUs, or k CPU threads without a GPU).
+        replicas: a :class:`Replicas`, a list of devices, or an int k (k GPUs,
+            or k CPU threads without a GPU, as :func:`replicate` makes).
 
     Returns:
         The results of ``fn``, in replica order.

@@ -1,4 +1,4 @@
-"""phalanx.train: a training loop over processes or in-process replicas (importing it imports torch).
+"""phalanx.train: a training loop over processes or in-process replicas (torch loads on first use).
 
 ::
 

@@ -147,12 +147,27 @@ def _select(call: str, known: list[str], classes: int | Sequence[str] | None, wh
 
 class ImageFolder(_ImageDataset):
     """Images in ``root/<class>/<file>`` (any depth below the class folder); labels in sorted class order.
+
     Hidden files and folders (names starting with ``.``) are skipped.
 
-    ``classes``: keep the first N classes (sorted), or the listed class names
-    (labels stay in sorted order). ``extensions``: the file endings read
-    (case-insensitive). Attributes: ``classes``, ``class_to_idx``, ``samples``
-    (``(path, label)``, sorted by label then path), ``targets``.
+    Where the images are:
+        root: a local directory or an fsspec URL (``s3://bucket/train``, ``gs://...``).
+        storage_options: a dict of fsspec options for a URL (credentials,
+            ``{"anon": True}``, ...); needs ``fsspec``.
+    Which images:
+        classes: keep the first N classes (sorted), or the listed class names
+            (labels stay in sorted order); None keeps all.
+        extensions: the file endings read (case-insensitive).
+    What a sample is:
+        transform: a callable applied to the RGB ``PIL.Image`` (e.g.
+            :func:`phalanx.train.train_transform`); None gives a ``uint8`` tensor ``(3, H, W)``.
+
+    Attributes: ``classes``, ``class_to_idx``, ``samples`` (``(path, label)``, sorted
+    by label then path), ``targets``. Indexing returns ``(sample, label)``.
+
+    Raises InvalidArgumentError (no such directory, no class folders, an empty
+    class, a bad argument), MissingDependencyError (a URL without fsspec), and,
+    when a sample is read, ImageReadError naming an image that cannot be decoded.
     """
 
     def __init__(self, root: str | os.PathLike[str], transform: Callable[[Image.Image], Any] | None = None, *,

@@ -64,7 +64,15 @@ class TensorBoardLogger(RankZeroLogger):
     (tag ``"hparams"``). ``finish(summary)`` adds numeric summary entries as
     scalars ``"summary/<name>"`` at the last logged step and the whole summary
     as text (tag ``"summary"``), then flushes and closes the writer.
-    Needs ``tensorboard`` (``pip install tensorboard``).
+
+    Arguments:
+        log_dir: the run's directory (str or os.PathLike), e.g. ``"runs/exp1"``.
+        all_ranks: False: only rank 0 writes (other ranks' calls do nothing); True:
+            every rank writes (give each rank its own ``log_dir``).
+
+    Raises MissingDependencyError without ``tensorboard`` (``pip install
+    tensorboard``), InvalidArgumentError (a metric that is not a number) and
+    UsageError (logging after ``finish``).
     """
 
     def __init__(self, log_dir: str | os.PathLike[str], *, all_ranks: bool = False) -> None:
@@ -113,7 +121,21 @@ class WandbLogger(RankZeroLogger):
     ``run`` is the wandb run (None on ranks that do not log). wandb writes
     through a service process: an offline run's ``.wandb`` file may still be
     growing for a moment after ``finish`` returns.
-    Needs ``wandb`` (``pip install wandb``).
+
+    The run:
+        project: the W&B project the run goes to.
+        name: the run's display name (None: wandb picks one).
+        config: a mapping of hyperparameters stored as ``run.config``.
+    Where it goes:
+        mode: None (wandb decides), ``"online"``, ``"offline"`` or ``"disabled"``.
+        dir: the local directory wandb writes under (None: wandb's default).
+        all_ranks: False: only rank 0 makes a run (other ranks' calls do nothing);
+            True: every rank makes its own run.
+        init_kwargs: any further keyword arguments, passed to ``wandb.init`` as is.
+
+    Raises MissingDependencyError without ``wandb`` (``pip install wandb``),
+    InvalidArgumentError (``config`` not a mapping, a metric that is not a number)
+    and UsageError (logging after ``finish``).
     """
 
     def __init__(self, project: str = "phalanx", *, name: str | None = None,
@@ -180,7 +202,18 @@ class MLflowLogger(RankZeroLogger):
     of mlflow's fluent API. ``run_id`` and ``tracking_uri`` identify it;
     ``finish(summary)`` logs numeric entries as metrics ``"summary/<name>"``
     and the rest as tags, then ends the run (status FAILED when a ``with``
-    block ends in an exception). Needs ``mlflow-skinny`` or ``mlflow``.
+    block ends in an exception).
+
+    Arguments:
+        experiment: the experiment's name (made if missing).
+        tracking_uri: where runs are stored, as above.
+        run_name: the run's display name (None: MLflow picks one).
+        all_ranks: False: only rank 0 makes a run (other ranks' calls do nothing);
+            True: every rank makes its own run.
+
+    Raises MissingDependencyError without ``mlflow-skinny`` or ``mlflow``,
+    InvalidArgumentError (a metric that is not a number) and UsageError (logging
+    after ``finish``).
     """
 
     def __init__(self, experiment: str = "phalanx", *, tracking_uri: str | os.PathLike[str] | None = None,

@@ -261,6 +261,15 @@ class ConsoleLogger(RankZeroLogger):
     (``[rank/size]`` prefix) when phalanx is initialized, else to stdout;
     with ``stream`` it is written there as is. ``finish(summary)`` prints a
     short block with one summary entry per line.
+
+    Arguments:
+        stream: a text stream to write to (e.g. ``sys.stderr`` or an open file),
+            or None for :func:`phalanx.print`/stdout as above.
+        all_ranks: False: only rank 0 logs (other ranks' calls do nothing); True:
+            every rank logs.
+
+    Raises InvalidArgumentError (a metric that is not a number, a bad step) and
+    UsageError (logging after ``finish``) from its methods.
     """
 
     def __init__(self, stream: TextIO | None = None, *, all_ranks: bool = False) -> None:
@@ -305,6 +314,15 @@ class JSONLinesLogger(RankZeroLogger):
     ``float(value)``. Values that JSON cannot hold (in hparams or the
     summary) are written as their ``str``. ``"step"`` and ``"time"`` are not
     allowed as metric names.
+
+    Arguments:
+        path: the file to append to (str or os.PathLike), e.g. ``"runs/exp1/metrics.jsonl"``.
+        all_ranks: False: only rank 0 writes (other ranks' calls do nothing); True:
+            every rank writes (give each rank its own ``path``).
+
+    Raises InvalidArgumentError (``path`` not a path, a metric that is not a number
+    or is named ``"step"``/``"time"``), UsageError (logging after ``finish``), and
+    OSError when the file cannot be written.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, all_ranks: bool = False) -> None:

@@ -118,7 +118,8 @@ class CheckpointManager:
 
         A checkpoint that any rank cannot load (damaged: digest mismatch; truncated; missing on that
         rank's filesystem) is skipped on every rank, with a warning naming the file, the rank(s) and
-        the reason, and the next older one is tried. ``map_location`` as for :func:`load_checkpoint`.
+        the reason, and the next older one is tried. ``map_location``: where tensors go
+        (``torch.load``'s argument), ``"cpu"`` by default.
         Raises :class:`CheckpointError` on every rank when none of them can be loaded.
         """
         found = self.first_good(lambda state: state, map_location=map_location)

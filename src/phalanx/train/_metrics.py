@@ -97,9 +97,34 @@ def evaluate(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]
              reduce: bool = True) -> dict[str, float]:
     """Mean loss and top-k accuracy of ``model`` over all of ``data`` (collective when ``reduce``).
 
-    ``loss_fn(outputs, targets)`` must return the batch mean (as torch's
-    losses do by default). Returns ``{prefix/loss, prefix/top{k}..., prefix/samples}``.
-    The model is put in eval mode and restored afterwards.
+    >>> phalanx.train.evaluate(model, F.cross_entropy, val_set, batch_size=256, topk=(1, 5))
+    {'val/loss': 0.41, 'val/top1': 0.89, 'val/top5': 0.99, 'val/samples': 10000.0}
+
+    What is evaluated:
+        model: a ``torch.nn.Module`` (or a ``phalanx.torch.DataParallel``); put in eval
+            mode, run under ``torch.no_grad()``, and its mode restored afterwards.
+        loss_fn: ``loss_fn(outputs, targets)`` returning the batch mean (as torch's
+            losses do by default).
+        data: a map-style dataset of ``(input, target)`` samples. Each rank
+            evaluates its own exact share (no sample twice, none left out).
+        topk: the ``k`` of each top-k accuracy (for class logits; skipped otherwise).
+
+    How it is loaded:
+        batch_size: samples per batch on each rank (an int >= 1).
+        num_workers: DataLoader worker processes (0: load in this process).
+        collate_fn: builds a batch from a list of samples (None: torch's default).
+        precision: ``None`` (float32), ``"bf16"`` or ``"fp16"``: autocast for the forward pass.
+
+    What comes back:
+        prefix: the metric names' prefix (``"val"`` gives ``"val/loss"``).
+        reduce: True: sum over all ranks (collective: every rank must call it);
+            False: this rank's share only.
+
+    Returns ``{prefix/loss, prefix/top{k}..., prefix/samples}`` as floats (the loss
+    and accuracies NaN when there were no samples). Raises InvalidArgumentError
+    (bad ``batch_size``, a dataset without ``len``, a batch that is not
+    ``(inputs, targets)``), and when ``reduce`` the collective errors
+    (CollectiveTimeoutError, RankFailedError).
     """
     data = sized("evaluate", "data", data)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:

@@ -136,8 +136,16 @@ class DatasetRegistry:
     """Named datasets: ``names()``, ``entry(name)``, ``open(name, split, transform)``; ``name in registry``.
 
     Usually made by :func:`load_registry`; ``DatasetRegistry({"name": {"format": ..., "path": ...}},
-    base_dir=...)`` builds one from a mapping (relative paths resolve against ``base_dir``, default the
-    current directory).
+    base_dir=...)`` builds one from a mapping.
+
+    Arguments:
+        datasets: a mapping of dataset names to entries (``{"format": ..., "path": ...}``
+            and the format's options).
+        base_dir: the directory relative paths resolve against (None: the current directory).
+        source: where the entries came from (e.g. the registry file's path), named in
+            error messages; None names the constructor.
+
+    Raises InvalidArgumentError for a malformed entry, naming it and ``source``.
     """
 
     def __init__(self, datasets: Mapping[str, Mapping[str, Any]], *, base_dir: str | os.PathLike[str] | None = None,
