@@ -121,7 +121,8 @@ def test_bad_root_is_a_phalanx_value_error_naming_call_value_and_fix(world_of_on
 def test_bad_settings_are_phalanx_errors_naming_the_variable(monkeypatch) -> None:
     from phalanx._settings import Settings
 
-    for name, value in (("PHALANX_TIMEOUT", "soon"), ("PHALANX_TIMEOUT", "-3"), ("PHALANX_CHECK", "maybe")):
+    for name, value in (("PHALANX_TIMEOUT", "soon"), ("PHALANX_TIMEOUT", "-3"), ("PHALANX_TIMEOUT", "inf"),
+                        ("PHALANX_TIMEOUT", "nan"), ("PHALANX_CHECK", "maybe")):
         monkeypatch.setenv(name, value)
         with pytest.raises(phalanx.InvalidSettingError, match=name) as raised:
             Settings()
@@ -134,3 +135,12 @@ def test_bad_backend_and_timeout_are_phalanx_value_errors() -> None:
         phalanx.init("tcp")  # type: ignore[arg-type]
     with pytest.raises(phalanx.InvalidArgumentError, match=r"phalanx.init\(timeout=0\)"):
         phalanx.init("local", timeout=0)
+    for endless in (float("inf"), float("nan")):
+        with pytest.raises(phalanx.InvalidArgumentError, match=rf"phalanx.init\(timeout={endless}\).*finite"):
+            phalanx.init("local", timeout=endless)
+
+
+def test_an_endless_timeout_set_in_code_is_a_setting_error(monkeypatch) -> None:
+    monkeypatch.setattr(phalanx.settings, "timeout", float("inf"))
+    with pytest.raises(phalanx.InvalidSettingError, match=r"phalanx.settings.timeout=inf.*finite"):
+        phalanx.init("local")

@@ -23,7 +23,8 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "phalanx"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Leaf modules everything uses: exceptions, settings, atomic files, what a buffer is and which
     # device a rank uses (the backends move Buffers and the nccl backend picks devices: below comm).
-    ("base", ("phalanx._errors", "phalanx._settings", "phalanx._files", "phalanx._arrays", "phalanx._devices")),
+    ("base", ("phalanx._errors", "phalanx._settings", "phalanx._files", "phalanx._arrays", "phalanx._devices",
+              "phalanx._net")),
     ("comm", ("phalanx.comm", "phalanx.comm.")),
     ("world/collectives", ("phalanx._world", "phalanx._collectives", "phalanx._agreement", "phalanx._failure",
                            "phalanx._output")),

@@ -5,7 +5,8 @@
 * a rank that cannot reach the store's host (stopped by SIGSTOP, as behind a cut link) still
   raises within timeout + grace, and shutdown after a timeout is prompt;
 * gloo ranks that cannot all meet raise RendezvousError saying who joined and who is missing;
-* shutdown() on some ranks only: the others raise RankFailedError naming it, at once.
+* shutdown() on some ranks only: the others raise RankFailedError naming it, at once;
+* non-blocking handles after a timeout: every later wait() raises the same phalanx error.
 
 Times are measured inside the ranks and printed as ``TIMES ...`` (``-s`` shows them).
 """
@@ -77,6 +78,17 @@ def test_shutdown_on_one_rank_fails_the_waiting_ranks_at_once(backend: str, n: i
     assert "RankFailedError" in report and "rank 1 called phalanx.shutdown()" in report, report
     assert times.get("raised", 99) < 5.0, report
     assert elapsed < 25, f"the world took {elapsed:.1f} s to end (a wait of the 30 s timeout?)\n{report}"
+
+
+@pytest.mark.parametrize("backend,n", world_params([("mpi", 2), ("gloo", 2)]))
+def test_handles_raise_the_same_error_on_every_wait_after_a_timeout(backend: str, n: int) -> None:
+    with pytest.raises(WorldFailed) as failed:
+        run_world(bodies.handles_after_a_timeout, n, backend, op_timeout=2.0, timeout=60)
+    report = str(failed.value)
+    times = _times(report)
+    print(f"\n{backend}-{n}: the barrier raised after {times.get('raised')} s")
+    assert "every wait() raised the same CollectiveTimeoutError" in report, report
+    assert times["raised"] < 2.0 + GRACE + 1.0, report
 
 
 # -- rendezvous: ranks started by hand, as a launcher would -------------------------------------------

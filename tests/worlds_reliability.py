@@ -152,3 +152,30 @@ def early_shutdown() -> None:
     except phalanx.RankFailedError as exc:
         exc.add_note(f"rank {r}: TIMES raised={time.monotonic() - start:.2f}")
         raise
+
+
+def handles_after_a_timeout() -> None:
+    """Rank 0 starts an iallreduce that rank 1 never joins, then a barrier, which posts the handle
+    first and times out: every later wait() on the handle raises that same error, never an
+    internal one."""
+    phalanx.barrier()
+    if phalanx.rank() != 0:
+        time.sleep(60)  # silent; stopped by the launcher once rank 0 fails
+        return
+    handle = phalanx.iallreduce(np.ones(4))
+    start = time.monotonic()
+    try:
+        phalanx.barrier()
+    except phalanx.CollectiveTimeoutError as exc:
+        raised, error = time.monotonic() - start, exc
+    else:
+        raise AssertionError("a barrier with a silent peer completed")
+    for _ in range(2):
+        try:
+            handle.wait()
+        except phalanx.PhalanxError as exc:
+            assert exc is error, f"wait() raised {exc!r}, not the timeout {error!r}"
+        else:
+            raise AssertionError("wait() on a handle whose peer never came completed")
+    raise RuntimeError(f"rank 0: TIMES raised={raised:.2f} | every wait() raised the same "
+                       f"{type(error).__name__}: {error}")

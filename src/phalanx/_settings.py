@@ -19,6 +19,7 @@ naming the variable (a typo never silently means "on" or "off").
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -55,9 +56,9 @@ def env_float(name: str, default: float, *, minimum: float = 0.0, inclusive: boo
     except ValueError:
         raise InvalidSettingError(f"{name}={value!r} is not a number of seconds: set e.g. {name}=60, "
                                   "or unset it for the default.") from None
-    if seconds != seconds or seconds < minimum or (seconds == minimum and not inclusive):
+    if not math.isfinite(seconds) or seconds < minimum or (seconds == minimum and not inclusive):
         bound = f"at least {minimum:g}" if inclusive else f"more than {minimum:g}"
-        raise InvalidSettingError(f"{name}={value!r}: the number of seconds must be {bound}, e.g. "
+        raise InvalidSettingError(f"{name}={value!r}: the number of seconds must be finite and {bound}, e.g. "
                                   f"{name}=60, or unset it for the default.")
     return seconds
 

@@ -18,6 +18,7 @@ mode). One tiny allreduce, polled with a deadline, so that
 
 from __future__ import annotations
 
+import math
 import warnings
 import zlib
 from collections import deque
@@ -31,6 +32,7 @@ from ._errors import (
     BackendUnavailableError,
     CollectiveTimeoutError,
     InvalidArgumentError,
+    InvalidSettingError,
     NotInitializedError,
     PhalanxError,
     RankFailedError,
@@ -276,15 +278,18 @@ def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, tim
             )
         return _WORLD.backend
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not timeout > 0):
-        raise InvalidArgumentError(f"phalanx.init(timeout={timeout!r}): the timeout must be a positive "
-                                   "number of seconds, e.g. timeout=60.")
+                                or not 0 < timeout < math.inf):
+        raise InvalidArgumentError(f"phalanx.init(timeout={timeout!r}): the timeout must be a positive, "
+                                   "finite number of seconds, e.g. timeout=60.")
     name = detect_backend() if backend == "auto" else backend
     if name not in (*BACKENDS, "torch"):
         source = "" if backend != "auto" else f" (from PHALANX_BACKEND={name!r})"
         raise InvalidArgumentError(f"phalanx.init(backend={backend!r}){source}: unknown backend; use one "
                                    f"of 'auto', {', '.join(repr(b) for b in BACKENDS)}.")
     seconds = float(timeout if timeout is not None else settings.timeout)
+    if not 0 < seconds < math.inf:  # phalanx.settings.timeout set in code
+        raise InvalidSettingError(f"phalanx.init: phalanx.settings.timeout={settings.timeout!r} must be a "
+                                  "positive, finite number of seconds, e.g. phalanx.settings.timeout = 60.")
     mark_rank("init")  # for `phalanx run --start-timeout`: this rank has reached init
     impl = _make_backend(name, timeout=seconds, gpu_aware_mpi=gpu_aware_mpi if gpu_aware_mpi is not None
                          else settings.gpu_aware_mpi, devices=devices)

@@ -3,12 +3,16 @@
 Design notes (why, not what):
 
 * The rendezvous is a ``TCPStore`` served by rank 0 on ``MASTER_ADDR:MASTER_PORT``
-  (what torchrun and ``phalanx run`` set). When ``MASTER_ADDR`` is a loopback
-  address every rank is on this host, so phalanx binds the store's socket to
-  that address itself and hands it to torch (``master_listen_fd``): torch's
-  own server would listen on every interface, letting anyone on the network
-  read and write the job's keys. gloo's own connections are confined the same
-  way (``GLOO_SOCKET_IFNAME=lo`` unless the user set it). A file store was the
+  (what torchrun and ``phalanx run`` set). When ``MASTER_ADDR`` is literally a
+  loopback address (``127.0.0.1``, ``::1``, ``localhost``: what ``phalanx run``
+  sets on one host) every rank is on this host, so phalanx binds the store's
+  socket to that address itself and hands it to torch (``master_listen_fd``):
+  torch's own server would listen on every interface, letting anyone on the
+  network read and write the job's keys. gloo's own connections are confined
+  the same way (``GLOO_SOCKET_IFNAME`` set to the loopback interface, ``lo`` or
+  ``lo0``, unless the user set it). A host name that merely resolves to
+  loopback (Debian maps the machine's name to 127.0.1.1) is not confined: the
+  other ranks may be elsewhere. A file store was the
   alternative; it needs a directory every rank shares and has no ``check``
   without a round trip to the file system, so the diagnosis would be slower.
 * The store is kept after set-up: after a timeout the process group is
@@ -26,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import ipaddress
 import json
 import os
 import re
@@ -37,6 +40,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from .._errors import BackendUnavailableError, LaunchEnvironmentError, RendezvousError
+from .._net import is_local_address, loopback_interface
 from ._base import DiagnosisUnavailable, PeerLost, WaitTimeout
 
 __all__ = ["Rendezvous", "diagnose", "import_torch", "node_ranks_from_store", "translate", "translating"]
@@ -104,14 +108,6 @@ def env(name: str, kind: type = str) -> Any:
                                      f"must set it to one, e.g. {name}=0.") from None
 
 
-def is_loopback(host: str) -> bool:
-    """True when ``host`` names this machine's loopback interface (so every rank is local)."""
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
 class Rendezvous:
     """The ranks' meeting point: the store, and what each rank told it when it joined."""
 
@@ -124,8 +120,8 @@ class Rendezvous:
             raise LaunchEnvironmentError(
                 f"phalanx.init: RANK={rank} is not a rank of WORLD_SIZE={size} (need 0 <= RANK < "
                 "WORLD_SIZE); every rank must be started with the same WORLD_SIZE and its own RANK.")
-        if is_loopback(self.host):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs on loopback too
+        if is_local_address(self.host):  # gloo's pairs on loopback too
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
         self.store = self._connect(dist)
         self.hosts = self._join()
 
@@ -134,7 +130,7 @@ class Rendezvous:
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         serve = self.rank == 0 and not agent
         options: dict[str, Any] = {}
-        if serve and is_loopback(self.host):
+        if serve and is_local_address(self.host):
             options["master_listen_fd"] = _listen(self.host, self.port).detach()  # torch owns it now
         try:
             store = dist.TCPStore(self.host, self.port, None, serve, timedelta(seconds=self.timeout),
@@ -189,8 +185,12 @@ class Rendezvous:
         return [j["host"] for j in joined]
 
     def _give_up(self, keys: list[str], verdict: str) -> None:
+        """RendezvousError naming the missing ranks (rank 0 first leaves it for the others);
+        returns normally when every rank has joined after all."""
         joined = [r for r, k in enumerate(keys) if self.store.check([k])]
         missing = [r for r in range(self.size) if r not in joined]
+        if not missing:  # the last rank joined after the loop's check: the rendezvous is complete
+            return
         message = (
             f"phalanx.init: only {len(joined)} of {self.size} ranks joined the rendezvous at {self.where} "
             f"within {self.timeout:g} s; missing: rank{'s' if len(missing) > 1 else ''} "
@@ -261,11 +261,11 @@ def diagnose(store: Any, prefix: str, rank: int, size: int, call: str, index: in
 
 def _listen(host: str, port: int) -> socket.socket:
     """A socket listening on ``host:port`` only (for the store on a single host)."""
-    family = socket.AF_INET6 if ":" in socket.gethostbyname(host) else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((socket.gethostbyname(host), port))
+        sock.bind(address)
         sock.listen(1024)
     except OSError as exc:
         sock.close()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .._errors import LaunchError
+from .._net import loopback_interface
 from ._job import Launch, notice
 
 __all__ = ["LOOPBACK_ENV", "Flavor", "check_library", "classify", "find_mpiexec", "hydra_args", "library_version",
@@ -137,13 +138,14 @@ def hydra_args(banner: str, watched: bool) -> list[str]:
 # Interface settings that keep a single-host job's listening sockets on the loopback interface:
 # UCX (MPICH's ch4:ucx, Open MPI's pml ucx), libfabric's tcp and sockets providers (ch4:ofi, Intel
 # MPI), Open MPI's TCP transport and its runtime's out-of-band channel (Open MPI 4's ORTE).
+# The interface's name is looked up: ``lo`` on Linux, ``lo0`` on macOS and the BSDs.
 LOOPBACK_ENV = {
-    "UCX_NET_DEVICES": "lo",
-    "FI_TCP_IFACE": "lo",
-    "FI_SOCKETS_IFACE": "lo",
+    "UCX_NET_DEVICES": loopback_interface(),
+    "FI_TCP_IFACE": loopback_interface(),
+    "FI_SOCKETS_IFACE": loopback_interface(),
     "OMPI_MCA_btl": "^tcp",  # one host: shared memory; its TCP transport binds every interface regardless
-    "OMPI_MCA_btl_tcp_if_include": "lo",  # where the user asks for TCP anyway
-    "OMPI_MCA_oob_tcp_if_include": "lo",
+    "OMPI_MCA_btl_tcp_if_include": loopback_interface(),  # where the user asks for TCP anyway
+    "OMPI_MCA_oob_tcp_if_include": loopback_interface(),
 }  # not PRRTE's oob_tcp_if_include (Open MPI 5): it refuses to run on loopback alone
 
 
