@@ -19,7 +19,7 @@ import pickle
 from typing import Any
 
 from ._arrays import FLOAT_DTYPES, Buffer, as_buffer
-from ._errors import InvalidArgumentError, PhalanxError, UnsupportedArgumentError, UsageError
+from ._errors import CollectiveMismatchError, InvalidArgumentError, UnsupportedArgumentError, UsageError
 from ._settings import settings
 from ._world import World, current
 from .comm._base import OPS, Op, Request
@@ -135,8 +135,10 @@ def reduce(x: Any, op: Op = "sum", root: int = 0, *, step: int | None = None) ->
     (``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"avg"``), ``root`` (the receiving
     rank), ``step`` (an optional int label, the same on every rank).
 
-    Returns the reduction on ``root``, ``x`` elsewhere. Raises as :func:`allreduce`,
-    and InvalidArgumentError for a root that is not a rank.
+    Returns the reduction on ``root``, ``x`` elsewhere. Raises InvalidArgumentError
+    (unknown op, a root that is not a rank), UnsupportedArgumentError (a type or
+    dtype that cannot be sent), CollectiveMismatchError (ranks passed different
+    shapes, dtypes, ops, roots or steps), CollectiveTimeoutError, RankFailedError.
     """
     world = current("reduce")
     buf = as_buffer(x, "reduce")
@@ -167,8 +169,9 @@ def gather(x: Any, root: int = 0, *, step: int | None = None) -> Any:
     Arguments: ``x`` (array, tensor or scalar, alike on every rank), ``root`` (the
     receiving rank), ``step`` (an optional int label, the same on every rank).
 
-    Returns the ``(size(), *x.shape)`` stack on ``root``, else None. Raises as
-    :func:`allgather`, and InvalidArgumentError for a root that is not a rank.
+    Returns the ``(size(), *x.shape)`` stack on ``root``, else None. Raises
+    InvalidArgumentError (a root that is not a rank), UnsupportedArgumentError,
+    CollectiveMismatchError, CollectiveTimeoutError, RankFailedError.
     """
     world = current("gather")
     buf = as_buffer(x, "gather")
@@ -181,12 +184,14 @@ def reduce_scatter(x: Any, op: Op = "sum", *, step: int | None = None) -> Any:
     """Reduce ``x`` with ``op`` and give rank ``i`` chunk ``i`` of the result's first axis.
 
     Arguments: ``x`` (array or tensor whose first axis is ``size() * k``, alike on
-    every rank; not modified), ``op`` (as for :func:`allreduce`), ``step`` (an
-    optional int label).
+    every rank; not modified), ``op`` (``"sum"``, ``"prod"``, ``"min"``, ``"max"``,
+    ``"avg"``), ``step`` (an optional int label, the same on every rank).
 
-    Returns a new array or tensor with first axis ``k``. Raises as :func:`allreduce`,
-    and UnsupportedArgumentError when the first axis does not split into ``size()``
-    equal chunks.
+    Returns a new array or tensor with first axis ``k``. Raises InvalidArgumentError
+    (unknown op), UnsupportedArgumentError (a type or dtype that cannot be sent, or
+    a first axis that does not split into ``size()`` equal chunks),
+    CollectiveMismatchError (ranks passed different shapes, dtypes, ops or steps),
+    CollectiveTimeoutError, RankFailedError.
     """
     world = current("reduce_scatter")
     buf = as_buffer(x, "reduce_scatter")
@@ -228,8 +233,15 @@ def barrier(*, step: int | None = None) -> None:
 class Handle:
     """A non-blocking collective in flight: ``wait()`` returns the result, ``test()`` polls.
 
-    The call's agreement runs first (non-blocking too); the data phase is
-    posted once it has passed, always in the order the calls were made.
+    Returned by :func:`iallreduce` and :func:`ibroadcast`, never made directly: the
+    constructor's arguments (``world``, ``call``, ``buf``, ``start``, ``agreement``)
+    are internal. The call's agreement runs first (non-blocking too); the data phase
+    is posted once it has passed, always in the order the calls were made.
+
+    Methods: ``wait()`` blocks (bounded by the world's timeout) and returns the
+    result; ``test()`` returns True once it is ready, without blocking. Both raise
+    the call's CollectiveMismatchError, CollectiveTimeoutError or RankFailedError,
+    the same error on every later call.
     """
 
     __slots__ = ("_world", "_call", "_buf", "_start", "_agreement", "_request", "_result", "_done",
@@ -245,7 +257,7 @@ class Handle:
         self._request: Request | None = None
         self._result: Any = None
         self._done = False
-        self._error: PhalanxError | None = None  # how it failed, re-raised by every later wait/test
+        self._error: Exception | None = None  # a mismatch, re-raised by every later wait/test
         if agreement is None:
             self._request = start()
         else:
@@ -253,21 +265,12 @@ class Handle:
 
     def post(self, block: bool) -> bool:
         """Post the data phase once the agreement passed (blocking if asked). True when posted."""
-        if self._error is not None:
-            raise self._error
         if self._request is not None:
             return True
-        try:
-            return self._post(block)
-        except PhalanxError as exc:  # a mismatch, a timeout, a lost peer: the same error every time
-            self._error = exc
-            raise
-
-    def _post(self, block: bool) -> bool:
+        if self._error is not None:
+            raise self._error
         world = self._world
         assert self._agreement is not None  # internal invariant, not user input
-        if world.broken is not None:  # an earlier failure dropped this call with the others pending
-            world.ready(self._call)
         while world.pending and world.pending[0] is not self:
             world.pending[0].post(block=True)  # earlier calls go first, on every rank
         with world.guard(self._call):
@@ -277,7 +280,11 @@ class Handle:
             world.pending.popleft()
             if not same:
                 start = self._start
-                world.explain_mismatch(self._call, self._buf, start.op, start.root, start.step)
+                try:
+                    world.explain_mismatch(self._call, self._buf, start.op, start.root, start.step)
+                except CollectiveMismatchError as exc:
+                    self._error = exc
+                    raise
             self._request = self._start()
         return True
 
@@ -295,12 +302,8 @@ class Handle:
         if not self._done:
             self.post(block=True)
             assert self._request is not None
-            try:
-                with self._world.guard(self._call):
-                    self._result = self._buf.finish(self._request.wait(self._world.timeout))
-            except PhalanxError as exc:
-                self._error = exc
-                raise
+            with self._world.guard(self._call):
+                self._result = self._buf.finish(self._request.wait(self._world.timeout))
             self._done = True
         return self._result
 
@@ -319,12 +322,27 @@ class _Start:
 
 
 def iallreduce(x: Any, op: Op = "sum", *, step: int | None = None) -> Handle:
-    """Start :func:`allreduce` without waiting: ``handle.wait()`` returns the result.
+    """Start a sum (or other ``op``) over all ranks without waiting: ``handle.wait()`` returns it.
 
-    Arguments as for :func:`allreduce` (``x`` is updated in place once done). Handles
-    complete in the order they were started, on every rank; a blocking collective
-    made meanwhile posts the earlier handles first. Returns a :class:`Handle`;
-    argument errors raise here, mismatches and timeouts from ``wait()``/``test()``.
+    >>> h = phalanx.iallreduce(grads)   # ... compute meanwhile ...
+    >>> grads = h.wait()
+
+    Arguments:
+        x: a NumPy array, torch tensor (CPU or CUDA) or Python/NumPy scalar, the same
+            shape and dtype on every rank; arrays and tensors are updated in place
+            once done (do not touch ``x`` before ``wait()``).
+        op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"`` or ``"avg"`` (floats only; on
+            bool, ``"min"`` is logical and, ``"max"`` logical or).
+        step: an optional int label (e.g. the training step), the same on every rank.
+
+    Returns a :class:`Handle` whose ``wait()`` gives the reduced value, of ``x``'s
+    type. Handles complete in the order they were started, on every rank; a
+    blocking collective made meanwhile posts the earlier handles first.
+
+    Raises here InvalidArgumentError (unknown op or bad step) and
+    UnsupportedArgumentError (a type or dtype that cannot be sent); from
+    ``wait()``/``test()`` CollectiveMismatchError (ranks passed different shapes,
+    dtypes, ops or steps), CollectiveTimeoutError and RankFailedError.
     """
     world = current("iallreduce")
     buf = as_buffer(x, "iallreduce")
@@ -335,11 +353,21 @@ def iallreduce(x: Any, op: Op = "sum", *, step: int | None = None) -> Handle:
 
 
 def ibroadcast(x: Any, root: int = 0, *, step: int | None = None) -> Handle:
-    """Start :func:`broadcast` without waiting: ``handle.wait()`` returns root's value.
+    """Start sending ``root``'s ``x`` to every rank without waiting: ``handle.wait()`` returns it.
 
-    Arguments as for :func:`broadcast` (``x`` is overwritten in place once done).
-    Returns a :class:`Handle`; argument errors raise here, mismatches and timeouts
-    from ``wait()``/``test()``.
+    Arguments:
+        x: a NumPy array, torch tensor or scalar, the same shape and dtype on every
+            rank; arrays and tensors are overwritten in place once done.
+        root: the sending rank, the same on every rank.
+        step: an optional int label (e.g. the training step), the same on every rank.
+
+    Returns a :class:`Handle` whose ``wait()`` gives root's value, of ``x``'s type;
+    handles complete in the order they were started, on every rank.
+
+    Raises here InvalidArgumentError (a root that is not a rank, a bad step) and
+    UnsupportedArgumentError (a type that cannot be sent); from ``wait()``/``test()``
+    CollectiveMismatchError (ranks disagree on shape, dtype, root or step),
+    CollectiveTimeoutError and RankFailedError.
     """
     world = current("ibroadcast")
     buf = as_buffer(x, "ibroadcast")
