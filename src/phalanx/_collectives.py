@@ -19,7 +19,7 @@ import pickle
 from typing import Any
 
 from ._arrays import FLOAT_DTYPES, Buffer, as_buffer
-from ._errors import CollectiveMismatchError, InvalidArgumentError, UnsupportedArgumentError, UsageError
+from ._errors import InvalidArgumentError, PhalanxError, UnsupportedArgumentError, UsageError
 from ._settings import settings
 from ._world import World, current
 from .comm._base import OPS, Op, Request
@@ -257,7 +257,7 @@ class Handle:
         self._request: Request | None = None
         self._result: Any = None
         self._done = False
-        self._error: Exception | None = None  # a mismatch, re-raised by every later wait/test
+        self._error: PhalanxError | None = None  # how it failed, re-raised by every later wait/test
         if agreement is None:
             self._request = start()
         else:
@@ -265,12 +265,21 @@ class Handle:
 
     def post(self, block: bool) -> bool:
         """Post the data phase once the agreement passed (blocking if asked). True when posted."""
-        if self._request is not None:
-            return True
         if self._error is not None:
             raise self._error
+        if self._request is not None:
+            return True
+        try:
+            return self._post(block)
+        except PhalanxError as exc:  # a mismatch, a timeout, a lost peer: the same error every time
+            self._error = exc
+            raise
+
+    def _post(self, block: bool) -> bool:
         world = self._world
         assert self._agreement is not None  # internal invariant, not user input
+        if world.broken is not None:  # an earlier failure dropped this call with the others pending
+            world.ready(self._call)
         while world.pending and world.pending[0] is not self:
             world.pending[0].post(block=True)  # earlier calls go first, on every rank
         with world.guard(self._call):
@@ -280,11 +289,7 @@ class Handle:
             world.pending.popleft()
             if not same:
                 start = self._start
-                try:
-                    world.explain_mismatch(self._call, self._buf, start.op, start.root, start.step)
-                except CollectiveMismatchError as exc:
-                    self._error = exc
-                    raise
+                world.explain_mismatch(self._call, self._buf, start.op, start.root, start.step)
             self._request = self._start()
         return True
 
@@ -302,8 +307,12 @@ class Handle:
         if not self._done:
             self.post(block=True)
             assert self._request is not None
-            with self._world.guard(self._call):
-                self._result = self._buf.finish(self._request.wait(self._world.timeout))
+            try:
+                with self._world.guard(self._call):
+                    self._result = self._buf.finish(self._request.wait(self._world.timeout))
+            except PhalanxError as exc:
+                self._error = exc
+                raise
             self._done = True
         return self._result
 
