@@ -54,33 +54,14 @@ def load_data(seed: int) -> tuple[torch.Tensor, ...]:
     return x[train], y[train], x[test], y[test]
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    phalanx.init()  # mpi / gloo as launched by `phalanx run`; with plain `python`, a world of one
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x_train: torch.Tensor, y_train: torch.Tensor,
+          args: argparse.Namespace) -> tuple[float, float]:
+    """``args.epochs`` passes of global batches; returns the last epoch's mean loss and the seconds taken."""
     rank, size = phalanx.rank(), phalanx.size()
-    if args.batch_size % size:
-        raise SystemExit(f"digits.py: --batch-size {args.batch_size} does not split evenly over {size} "
-                         f"processes; use a multiple of {size}, e.g. {size * max(1, args.batch_size // size)}.")
     local_batch = args.batch_size // size
-    torch.set_num_threads(1)  # tiny matrices: one thread is fastest, and results never depend on the cores
-
-    x_train, y_train, x_test, y_test = load_data(args.seed)
-    torch.manual_seed(args.seed)  # the same initial weights everywhere (the optimizer also sends rank 0's)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.ReLU(),
-        torch.nn.Linear(128, 128), torch.nn.ReLU(),
-        torch.nn.Linear(128, 10),
-    ).double()  # float64: rounding differences between world sizes stay far below the printed digits
-    optimizer = phalanx.torch.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
-
     steps = len(x_train) // args.batch_size  # full global batches per epoch (a partial last one is skipped)
-    if steps == 0:
-        raise SystemExit(f"digits.py: --batch-size {args.batch_size} is more than the {len(x_train)} images")
-    if rank == 0:
-        print(f"{len(x_train)} training images, {len(x_test)} test images; global batch {args.batch_size}"
-              f" = {size} x {local_batch}, {steps} steps per epoch", flush=True)
     start = time.perf_counter()
+    mean_loss = float("nan")
     for epoch in range(1, args.epochs + 1):
         # The same order on every process (and at every world size): a seeded permutation per epoch.
         order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(args.seed + epoch))
@@ -97,17 +78,49 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             print(f"epoch {epoch:3d}/{args.epochs}  train loss {mean_loss:.4f}  "
                   f"({time.perf_counter() - start:.1f} s)", flush=True)
-    seconds = time.perf_counter() - start
+    return mean_loss, time.perf_counter() - start
 
-    # Every test image is scored on exactly one process; the counts are summed across processes.
+
+def count_correct(model: torch.nn.Module, x_test: torch.Tensor, y_test: torch.Tensor) -> tuple[int, int]:
+    """``(correct, total)`` over all test images: each is scored on exactly one process, the counts summed."""
     test_part = phalanx.DistributedDataContainer((x_test, y_test), remainder="exact")
     correct = 0
     with torch.no_grad():
         for x, y in DataLoader(test_part, batch_size=256):
             correct += int((model(x).argmax(dim=1) == y).sum())
     correct, total = phalanx.allreduce(np.array([correct, len(test_part)])).tolist()
+    return correct, total
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    phalanx.init()  # mpi / gloo as launched by `phalanx run`; with plain `python`, a world of one
+    size = phalanx.size()
+    if args.batch_size % size:
+        raise SystemExit(f"digits.py: --batch-size {args.batch_size} does not split evenly over {size} "
+                         f"processes; use a multiple of {size}, e.g. {size * max(1, args.batch_size // size)}.")
+    torch.set_num_threads(1)  # tiny matrices: one thread is fastest, and results never depend on the cores
+
+    x_train, y_train, x_test, y_test = load_data(args.seed)
+    torch.manual_seed(args.seed)  # the same initial weights everywhere (the optimizer also sends rank 0's)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(),
+        torch.nn.Linear(128, 128), torch.nn.ReLU(),
+        torch.nn.Linear(128, 10),
+    ).double()  # float64: rounding differences between world sizes stay far below the printed digits
+    optimizer = phalanx.torch.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9))
+
+    if len(x_train) < args.batch_size:
+        raise SystemExit(f"digits.py: --batch-size {args.batch_size} is more than the {len(x_train)} images")
+    if phalanx.rank() == 0:
+        print(f"{len(x_train)} training images, {len(x_test)} test images; global batch {args.batch_size}"
+              f" = {size} x {args.batch_size // size}, {len(x_train) // args.batch_size} steps per epoch",
+              flush=True)
+    mean_loss, seconds = train(model, optimizer, x_train, y_train, args)
+    correct, total = count_correct(model, x_test, y_test)
     accuracy = correct / total
-    if rank == 0:
+    if phalanx.rank() == 0:
         print(f"test accuracy {accuracy:.4f} ({correct} of {total} correct)", flush=True)
         if args.json:
             result = {"accuracy": accuracy, "correct": correct, "total": total, "ranks": size,
