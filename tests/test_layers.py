@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("phalanx._errors", "phalanx._settings", "phalanx._files", "phalanx._arrays", "phalanx._devices",
               "phalanx._net")),
     ("comm", ("phalanx.comm", "phalanx.comm.")),
-    ("world/collectives", ("phalanx._world", "phalanx._collectives", "phalanx._agreement", "phalanx._failure",
+    ("world/collectives", ("phalanx._world", "phalanx._collectives", "phalanx._nonblocking", "phalanx._agreement", "phalanx._failure",
                            "phalanx._output")),
     # `phalanx` itself re-exports these and the layers below.
     ("sync/data/tree/gradients", ("phalanx", "phalanx._sync", "phalanx._data", "phalanx._tree",

@@ -14,7 +14,6 @@ adapters load them when they are used.
 from __future__ import annotations
 
 from ._collectives import (
-    Handle,
     allgather,
     allgather_object,
     allreduce,
@@ -23,8 +22,6 @@ from ._collectives import (
     broadcast,
     broadcast_object,
     gather,
-    iallreduce,
-    ibroadcast,
     reduce,
     reduce_scatter,
 )
@@ -52,6 +49,7 @@ from ._errors import (
     WorldBrokenError,
 )
 from ._gradients import allreduce_gradients
+from ._nonblocking import Handle, iallreduce, ibroadcast
 from ._output import RankFilter, print, setup_logging
 from ._settings import settings
 from ._sync import synchronize

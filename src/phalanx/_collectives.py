@@ -19,14 +19,14 @@ import pickle
 from typing import Any
 
 from ._arrays import FLOAT_DTYPES, Buffer, as_buffer
-from ._errors import InvalidArgumentError, PhalanxError, UnsupportedArgumentError, UsageError
+from ._errors import InvalidArgumentError, UnsupportedArgumentError, UsageError
 from ._settings import settings
 from ._world import World, current
-from .comm._base import OPS, Op, Request
+from .comm._base import OPS, Op
 
 __all__ = [
-    "Handle", "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
-    "broadcast_object", "gather", "iallreduce", "ibroadcast", "reduce", "reduce_scatter",
+    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
+    "broadcast_object", "gather", "reduce", "reduce_scatter",
 ]
 
 
@@ -229,176 +229,6 @@ def barrier(*, step: int | None = None) -> None:
     world.enter("barrier", None, None, -1, _check_step("barrier", step))
     _run(world, "barrier", world.backend.barrier)
 
-
-class Handle:
-    """A non-blocking collective in flight: ``wait()`` returns the result, ``test()`` polls.
-
-    Returned by :func:`iallreduce` and :func:`ibroadcast`, never made directly: the
-    constructor's arguments (``world``, ``call``, ``buf``, ``start``, ``agreement``)
-    are internal. The call's agreement runs first (non-blocking too); the data phase
-    is posted once it has passed, always in the order the calls were made.
-
-    Methods: ``wait()`` blocks (bounded by the world's timeout) and returns the
-    result; ``test()`` returns True once it is ready, without blocking. Both raise
-    the call's CollectiveMismatchError, CollectiveTimeoutError or RankFailedError,
-    the same error on every later call.
-    """
-
-    __slots__ = ("_world", "_call", "_buf", "_start", "_agreement", "_request", "_result", "_done",
-                 "_error")
-
-    def __init__(self, world: World, call: str, buf: Buffer, start: _Start,
-                 agreement: Request | None) -> None:
-        self._world = world
-        self._call = call
-        self._buf = buf
-        self._start = start  # _Start: () -> backend Request for the data phase
-        self._agreement = agreement
-        self._request: Request | None = None
-        self._result: Any = None
-        self._done = False
-        self._error: PhalanxError | None = None  # how it failed, re-raised by every later wait/test
-        if agreement is None:
-            self._request = start()
-        else:
-            world.pending.append(self)
-
-    def post(self, block: bool) -> bool:
-        """Post the data phase once the agreement passed (blocking if asked). True when posted."""
-        if self._error is not None:
-            raise self._error
-        if self._request is not None:
-            return True
-        try:
-            return self._post(block)
-        except PhalanxError as exc:  # a mismatch, a timeout, a lost peer: the same error every time
-            self._error = exc
-            raise
-
-    def _post(self, block: bool) -> bool:
-        world = self._world
-        assert self._agreement is not None  # internal invariant, not user input
-        if world.broken is not None:  # an earlier failure dropped this call with the others pending
-            world.ready(self._call)
-        while world.pending and world.pending[0] is not self:
-            world.pending[0].post(block=True)  # earlier calls go first, on every rank
-        with world.guard(self._call):
-            if not block and not self._agreement.test():
-                return False
-            same = self._agreement.wait(world.timeout)
-            world.pending.popleft()
-            if not same:
-                start = self._start
-                world.explain_mismatch(self._call, self._buf, start.op, start.root, start.step)
-            self._request = self._start()
-        return True
-
-    def test(self) -> bool:
-        """True once the result is ready (never blocks, except to report a mismatch)."""
-        if self._done:
-            return True
-        if not self.post(block=False):
-            return False
-        assert self._request is not None
-        return self._request.test()
-
-    def wait(self) -> Any:
-        """Block until done (bounded by the world's timeout) and return the result."""
-        if not self._done:
-            self.post(block=True)
-            assert self._request is not None
-            try:
-                with self._world.guard(self._call):
-                    self._result = self._buf.finish(self._request.wait(self._world.timeout))
-            except PhalanxError as exc:
-                self._error = exc
-                raise
-            self._done = True
-        return self._result
-
-
-class _Start:
-    """The deferred data phase of a non-blocking call (keeps op/root/step for error messages)."""
-
-    __slots__ = ("fn", "args", "op", "root", "step")
-
-    def __init__(self, fn: Any, args: tuple[Any, ...], op: str | None, root: int,
-                 step: int | None) -> None:
-        self.fn, self.args, self.op, self.root, self.step = fn, args, op, root, step
-
-    def __call__(self) -> Request:
-        return self.fn(*self.args)
-
-
-def iallreduce(x: Any, op: Op = "sum", *, step: int | None = None) -> Handle:
-    """Start a sum (or other ``op``) over all ranks without waiting: ``handle.wait()`` returns it.
-
-    >>> h = phalanx.iallreduce(grads)   # ... compute meanwhile ...
-    >>> grads = h.wait()
-
-    Arguments:
-        x: a NumPy array, torch tensor (CPU or CUDA) or Python/NumPy scalar, the same
-            shape and dtype on every rank; arrays and tensors are updated in place
-            once done (do not touch ``x`` before ``wait()``).
-        op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"`` or ``"avg"`` (floats only; on
-            bool, ``"min"`` is logical and, ``"max"`` logical or).
-        step: an optional int label (e.g. the training step), the same on every rank.
-
-    Returns a :class:`Handle` whose ``wait()`` gives the reduced value, of ``x``'s
-    type. Handles complete in the order they were started, on every rank; a
-    blocking collective made meanwhile posts the earlier handles first.
-
-    Raises here InvalidArgumentError (unknown op or bad step) and
-    UnsupportedArgumentError (a type or dtype that cannot be sent); from
-    ``wait()``/``test()`` CollectiveMismatchError (ranks passed different shapes,
-    dtypes, ops or steps), CollectiveTimeoutError and RankFailedError.
-    """
-    world = current("iallreduce")
-    buf = as_buffer(x, "iallreduce")
-    _check_op("iallreduce", op, buf)
-    start = _Start(world.backend.iallreduce, (buf.data, op, buf.inplace), op, -1,
-                   _check_step("iallreduce", step))
-    return _start_handle(world, "iallreduce", buf, start)
-
-
-def ibroadcast(x: Any, root: int = 0, *, step: int | None = None) -> Handle:
-    """Start sending ``root``'s ``x`` to every rank without waiting: ``handle.wait()`` returns it.
-
-    Arguments:
-        x: a NumPy array, torch tensor or scalar, the same shape and dtype on every
-            rank; arrays and tensors are overwritten in place once done.
-        root: the sending rank, the same on every rank.
-        step: an optional int label (e.g. the training step), the same on every rank.
-
-    Returns a :class:`Handle` whose ``wait()`` gives root's value, of ``x``'s type;
-    handles complete in the order they were started, on every rank.
-
-    Raises here InvalidArgumentError (a root that is not a rank, a bad step) and
-    UnsupportedArgumentError (a type that cannot be sent); from ``wait()``/``test()``
-    CollectiveMismatchError (ranks disagree on shape, dtype, root or step),
-    CollectiveTimeoutError and RankFailedError.
-    """
-    world = current("ibroadcast")
-    buf = as_buffer(x, "ibroadcast")
-    _check_root("ibroadcast", root, world)
-    start = _Start(world.backend.ibroadcast, (buf.data, root, buf.inplace), None, root,
-                   _check_step("ibroadcast", step))
-    return _start_handle(world, "ibroadcast", buf, start)
-
-
-def _start_handle(world: World, call: str, buf: Buffer, start: _Start) -> Handle:
-    # Like World.enter, but the agreement is posted without waiting for it.
-    if world.broken is not None or not world.check:
-        world.enter(call, buf, start.op, start.root, start.step)  # raises if broken; no agreement
-        return Handle(world, call, buf, start, None)
-    world.ready(call)
-    world.calls += 1
-    with world.guard(call):
-        agreement = world.backend.iagree(world.signature(call, buf, start.op, start.root, start.step))
-    return Handle(world, call, buf, start, agreement)
-
-
-# -- object collectives (opt-in: they unpickle what peers send) ---------------------------------
 
 def _require_pickle(call: str, allow_pickle: bool) -> None:
     if not (allow_pickle or settings.allow_pickle):

@@ -45,7 +45,7 @@ from .comm._base import OPS, Backend, PeerLost, WaitTimeout
 from .comm._detect import BACKENDS, BackendName, detect_backend
 
 if TYPE_CHECKING:
-    from ._collectives import Handle
+    from ._nonblocking import Handle
 
 __all__ = [
     "World", "backend", "current", "current_or_none", "device", "init", "initialized", "local_rank",
