@@ -29,13 +29,7 @@ Without a ``transform`` an image comes back as a ``uint8`` tensor
 ``(3, H, W)``; a transform receives the ``PIL.Image`` (RGB) and returns what
 the dataset yields (see :mod:`phalanx.train._transforms`).
 
-ImageNet layout (Kaggle's ``imagenet-object-localization-challenge``)::
-
-    LOC_synset_mapping.txt           "n01440764 tench, Tinca tinca": line order = class index
-    LOC_train_solution.csv           ImageId,PredictionString ("n01440764 x1 y1 x2 y2 ...")
-    LOC_val_solution.csv             ImageId,PredictionString
-    ILSVRC/Data/CLS-LOC/train/<synset>/<ImageId>.JPEG
-    ILSVRC/Data/CLS-LOC/val/<ImageId>.JPEG
+The ImageNet layout these readers expect is spelled out in :class:`ImageNet`'s docstring.
 """
 
 from __future__ import annotations
