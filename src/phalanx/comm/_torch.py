@@ -89,7 +89,7 @@ class TorchBackend:
             self._check_available(name)
             self.rank, self.size = env("RANK", int), env("WORLD_SIZE", int)
             meeting = Rendezvous(dist, self.rank, self.size, timeout, TorchBackend._made)
-            self._store = meeting.store
+            self._store, self._rendezvous = meeting.store, meeting
             self.local_rank, self.local_size = meeting.node_ranks()
         else:  # the user or torchrun made the process group: use it as it is
             existing = str(dist.get_backend())
@@ -383,6 +383,8 @@ class TorchBackend:
             thread = threading.Thread(target=destroy, name="phalanx-teardown", daemon=True)
             thread.start()
             thread.join(_TEARDOWN_S)
+        if getattr(self, "_rendezvous", None) is not None:  # its guard: nothing of it listens after this
+            self._rendezvous.close()
         self._store = None
 
     def abort(self, code: int) -> None:

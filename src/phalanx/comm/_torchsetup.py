@@ -40,8 +40,9 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from .._errors import BackendUnavailableError, LaunchEnvironmentError, RendezvousError
-from .._net import is_local_address, loopback_interface
 from ._base import DiagnosisUnavailable, PeerLost, WaitTimeout
+from ._guard import Guard
+from ._netplan import plan
 
 __all__ = ["Rendezvous", "diagnose", "import_torch", "node_ranks_from_store", "translate", "translating"]
 
@@ -120,20 +121,36 @@ class Rendezvous:
             raise LaunchEnvironmentError(
                 f"phalanx.init: RANK={rank} is not a rank of WORLD_SIZE={size} (need 0 <= RANK < "
                 "WORLD_SIZE); every rank must be started with the same WORLD_SIZE and its own RANK.")
-        if is_local_address(self.host):  # gloo's pairs on loopback too
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
-        self.store = self._connect(dist)
-        self.hosts = self._join()
+        # Under torchrun the agent already serves a store on MASTER_PORT, shared by restarts.
+        self.agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        self.plan = plan(self.host, self.port, rank, size, self.agent)  # gloo's interface too
+        self.guard: Guard | None = None
+        try:
+            self.store = self._connect(dist)
+            self.hosts = self._join()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop this rank's guard, if any (nothing of the rendezvous listens afterwards)."""
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
+        self.store = None
 
     def _connect(self, dist: Any) -> Any:
-        # Under torchrun the agent already serves a store on MASTER_PORT, shared by restarts.
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        serve = self.rank == 0 and not agent
-        options: dict[str, Any] = {}
-        if serve and is_local_address(self.host):
-            options["master_listen_fd"] = _listen(self.host, self.port).detach()  # torch owns it now
+        serve, guarded = self.rank == 0 and not self.agent, self.plan.guarded
+        host, port, options = self.host, self.port, {}
+        if serve:  # the store on loopback behind the guard, or on the one address every rank uses
+            listener = _listen("127.0.0.1" if guarded else self.plan.bind[0], 0 if guarded else port)
+            host, port = ("127.0.0.1", listener.getsockname()[1]) if guarded else (host, port)
+            options["master_listen_fd"] = listener.detach()  # torch owns it now
+        elif guarded:
+            self.guard = Guard.client(self.host, self.port, self.plan.key, self.timeout)
+            host, port = "127.0.0.1", self.guard.port
         try:
-            store = dist.TCPStore(self.host, self.port, None, serve, timedelta(seconds=self.timeout),
+            store = dist.TCPStore(host, port, None, serve, timedelta(seconds=self.timeout),
                                   wait_for_workers=False, **options)
         except RuntimeError as exc:
             if "master_listen_fd" in options:
@@ -143,12 +160,21 @@ class Rendezvous:
                 raise RendezvousError(
                     f"phalanx.init: rank 0 could not serve the rendezvous store at {self.where} ({exc}). "
                     "Is MASTER_PORT free? Pick another port, or let `phalanx run` choose one.") from exc
+            why = self.guard.failure if self.guard is not None and self.guard.failure else _first_line(exc)
             raise RendezvousError(
                 f"phalanx.init: rank {self.rank} of {self.size} could not reach the rendezvous store that "
-                f"rank 0 serves at {self.where} within {self.timeout:g} s ({_first_line(exc)}). Rank 0 has "
-                "not started, has already failed, or MASTER_ADDR/MASTER_PORT differ between ranks: start "
-                "every rank with the same values (`phalanx run` does).") from exc
-        if agent:
+                f"rank 0 serves at {self.where} within {self.timeout:g} s ({why}). Rank 0 has "
+                "not started, has already failed, or MASTER_ADDR/MASTER_PORT (or PHALANX_SECRET) differ "
+                "between ranks: start every rank with the same values (`phalanx run` does).") from exc
+        if serve and guarded:
+            try:
+                self.guard = Guard.serve(self.plan.bind, self.port, port, self.plan.key)
+            except OSError as exc:
+                raise RendezvousError(
+                    f"phalanx.init: rank 0 could not listen on {', '.join(self.plan.bind)} port {self.port} "
+                    f"for the rendezvous ({exc.strerror or exc}). Is MASTER_PORT free? Pick another port, "
+                    "or let `phalanx run` choose one.") from None
+        if self.agent:
             store = dist.PrefixStore(f"phalanx{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         return store
 
@@ -211,7 +237,9 @@ class Rendezvous:
         return here.index(self.rank), len(here)
 
     def failed(self, exc: RuntimeError) -> RendezvousError:
-        """``init_process_group``'s failure after the join, as a RendezvousError naming the fix."""
+        """``init_process_group``'s failure after the join, as a RendezvousError naming the fix
+        (this rank's guard is stopped: the world will not be used)."""
+        self.close()
         return RendezvousError(
             f"phalanx.init: rank {self.rank} of {self.size} joined at {self.where}, but torch.distributed "
             f"could not connect the ranks ({_first_line(exc)}). A peer failed during set-up (its own "
