@@ -14,7 +14,8 @@ __all__ = ["add_run_options", "job_from_args", "main", "split_target"]
 USAGE = "phalanx run -n N [options] script.py [args...]\n       phalanx run -n N [options] -m module [args...]"
 
 # Launcher options that take a value: everything before the script (or -m) belongs to phalanx.
-_VALUED = {"-n", "--np", "--backend", "--log-dir", "--timeout", "--start-timeout", "--mpiexec", "--mpi-args"}
+_VALUED = {"-n", "--np", "--backend", "--log-dir", "--timeout", "--start-timeout", "--mpiexec", "--mpi-args",
+           "--max-restarts", "--min-ranks", "--nnodes", "--node-rank", "--master", "--iface", "--secret-file"}
 
 
 def split_target(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -59,6 +60,24 @@ def add_run_options(parser: argparse.ArgumentParser, *, n_default: int | None = 
                         "this Python, e.g. from `pip install mpich`, then PATH)")
     parser.add_argument("--mpi-args", default="", metavar="'ARGS'",
                         help="extra mpiexec arguments, one quoted string, e.g. --mpi-args='--bind-to core'")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="N",
+                        help="gloo/nccl, one `phalanx run` per host (torchrun's convention): the number of hosts; "
+                             "each runs -n ranks, host K's being ranks K*n..K*n+n-1. Needs --node-rank, --master "
+                             "and the same PHALANX_SECRET (or --secret-file) on every host")
+    parser.add_argument("--node-rank", type=int, default=0, metavar="K", help="with --nnodes: this host's "
+                        "number, 0..N-1 (0 on the --master host)")
+    parser.add_argument("--master", metavar="HOST[:PORT]", help="with --nnodes: where rank 0 serves the "
+                        "rendezvous, the same on every host (default port 29500)")
+    parser.add_argument("--iface", metavar="NAME", help="the network interface the ranks use across hosts "
+                        "(sets PHALANX_IFACE; default: the one that routes to the master)")
+    parser.add_argument("--secret-file", metavar="FILE", help="with --nnodes: read the job's secret from FILE "
+                        "instead of PHALANX_SECRET")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                        help="when the job fails (a rank raises or dies, a host is lost), start it again up to K "
+                             "times, on the hosts that still answer; each rank gets PHALANX_RESTART_COUNT, and the "
+                             "script resumes from its checkpoint (fit(..., resume='latest')). Default 0")
+    parser.add_argument("--min-ranks", type=int, metavar="M",
+                        help="with --max-restarts: never restart on fewer than M ranks (default 1)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,7 +103,9 @@ def job_from_args(args: argparse.Namespace, target: list[str]) -> Launch:
         raise LaunchError(f"phalanx run: cannot split --mpi-args {args.mpi_args!r}: {exc}") from None
     backend = args.backend or default_backend(args.mpiexec)
     return Launch(n=args.n, backend=backend, target=target, log_dir=args.log_dir, echo=args.echo,
-                  timeout=args.timeout, mpiexec=args.mpiexec, mpi_args=mpi_args, start_timeout=args.start_timeout)
+                  timeout=args.timeout, mpiexec=args.mpiexec, mpi_args=mpi_args, start_timeout=args.start_timeout,
+                  max_restarts=args.max_restarts, min_ranks=args.min_ranks, nnodes=args.nnodes,
+                  node_rank=args.node_rank, master=args.master, iface=args.iface, secret_file=args.secret_file)
 
 
 def main(argv: list[str]) -> int:

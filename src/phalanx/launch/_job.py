@@ -69,6 +69,13 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the ranks
     stop_grace: float | None = None  # after a user's Ctrl-C/SIGTERM, before SIGKILL
     start_timeout: float | None = None  # every rank must reach phalanx.init within it (only when all_local)
+    nnodes: int = 1  # gloo/nccl: hosts of the job, one launcher each (._nodes, torchrun's convention)
+    node_rank: int = 0  # this launcher's host among them (its ranks: node_rank * n + 0..n-1)
+    master: str | None = None  # HOST[:PORT] where rank 0 serves the rendezvous (default port 29500)
+    iface: str | None = None  # network interface for the ranks (PHALANX_IFACE; default: the route to master)
+    secret_file: str | None = None  # file holding the job's secret (default: $PHALANX_SECRET)
+    max_restarts: int = 0  # a failed job is started again up to this many times (._elastic)
+    min_ranks: int | None = None  # a restart on fewer ranks than this is refused (default 1)
 
     def resolve_settings(self) -> None:
         """Fill ``stop_grace`` and ``start_timeout`` from the environment (LaunchError when malformed)."""

@@ -20,10 +20,11 @@ import shutil
 import tempfile
 
 from .._errors import LaunchError
+from ._elastic import check_elastic, run_elastic
 from ._job import Launch, Signals, notice, rank_env
 from ._mpiexec import run_mpi
+from ._multinode import torch_runner
 from ._procs import signal_name
-from ._spawn import run_spawn
 
 __all__ = ["launch"]
 
@@ -48,21 +49,28 @@ def launch(job: Launch) -> int:
     supervises them and, when the job fails, prints a report naming the rank that failed first
     with its traceback. The first failure stops every rank within seconds; so does a rank that
     has not reached ``phalanx.init`` within ``job.start_timeout`` while others have; a Ctrl-C or
-    SIGTERM to this process stops every rank (exit status 130 or 143).
+    SIGTERM to this process stops every rank (exit status 130 or 143). With ``job.max_restarts``, a
+    failed job is started again on the hosts still reachable (:func:`._elastic.run_elastic`).
 
     Raises :class:`~phalanx.LaunchError` when the job cannot start (bad arguments or settings,
     no ``mpiexec``, ...).
     """
     _check(job)
+    check_elastic(job)
     if job.log_dir is not None:
         job.log_dir = os.path.abspath(job.log_dir)
         os.makedirs(job.log_dir, exist_ok=True)
+    with Signals(job.stop_grace or 0.0) as signals:
+        return run_elastic(job, signals, _attempt)  # one attempt, or more with job.max_restarts
+
+
+def _attempt(job: Launch, signals: Signals) -> int:
+    """Run ``job`` once, in a fresh job directory; its exit status."""
     job_dir = tempfile.mkdtemp(prefix="phalanx-job-")
     env = rank_env(job, job_dir)
     try:
-        with Signals(job.stop_grace or 0.0) as signals:
-            run = run_mpi if job.backend == "mpi" else run_spawn
-            code = run(job, env, job_dir, signals)
+        run = run_mpi if job.backend == "mpi" else torch_runner(job)
+        code = run(job, env, job_dir, signals)
         if signals.received:
             notice(f"stopped every rank after {signal_name(signals.received)} (exit status {code}).")
         return code

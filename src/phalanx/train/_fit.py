@@ -17,7 +17,8 @@ __all__ = ["fit"]
 
 
 def fit(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], optimizer: torch.optim.Optimizer,
-        train_data: Any, *, batch_size: int, epochs: int | None = None, steps: int | None = None,
+        train_data: Any, *, batch_size: int | None = None, global_batch_size: int | None = None,
+        epochs: int | None = None, steps: int | None = None,
         val_data: Any = None, val_every: int | None = None, val_batch_size: int | None = None,
         topk: Sequence[int] = (1,), scheduler: Any = None, scheduler_interval: SchedulerInterval = "step",
         accumulate: int = 1, precision: Precision = None, grad_clip: float | None = None,
@@ -50,6 +51,9 @@ def fit(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], opt
             is) and ``loss_fn(outputs, targets)`` returning the batch-mean loss.
         train_data: a map-style dataset of ``(input, target)`` samples, or a tuple ``(X, Y)``.
         batch_size: samples per worker (a rank, or a replica) and micro-step.
+        global_batch_size: instead of ``batch_size``: samples per optimizer step over every worker and
+            micro-step; each worker takes ``global_batch_size / (ranks x replicas x accumulate)``, so the
+            steps, and the result, stay the same when a restart changes the number of ranks.
         epochs, steps: when to stop, in epochs and/or optimizer steps (whichever comes first).
         val_data, val_every, val_batch_size: evaluated every ``val_every`` steps (default: every
             epoch and at the end), every sample exactly once across ranks.
@@ -86,14 +90,15 @@ def fit(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], opt
         The :class:`History` (the same on every rank): metrics by step, and ``summary``.
 
     Raises:
-        InvalidArgumentError: a bad argument, naming it and the fix (nothing has run).
+        InvalidArgumentError: a bad argument, naming it and the fix (nothing has run): e.g. both or
+            neither of ``batch_size`` and ``global_batch_size``, or a world that does not divide the latter.
         TrainingError: the failure policy stopped the run, on every rank alike, naming the step and
             the ranks where the loss or the local gradients were NaN/Inf or memory ran out.
         CheckpointError: ``resume`` names a file that cannot be restored, or no checkpoint in
             ``checkpoint_dir`` can be loaded on every rank, or rank 0 cannot write one.
     """
     options = FitOptions(
-        batch_size=batch_size, epochs=epochs, steps=steps, val_data=val_data, val_every=val_every,
+        batch_size=batch_size, global_batch_size=global_batch_size, epochs=epochs, steps=steps, val_data=val_data, val_every=val_every,
         val_batch_size=val_batch_size, topk=topk, seed=seed, shuffle=shuffle, num_workers=num_workers,
         collate_fn=collate_fn, scheduler=scheduler, scheduler_interval=scheduler_interval,
         accumulate=accumulate, grad_clip=grad_clip, replicas=replicas, compression=compression,

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from .._errors import InvalidArgumentError
 
-__all__ = ["FailurePolicy", "FitOptions", "Precision", "SchedulerInterval"]
+__all__ = ["FailurePolicy", "FitOptions", "Precision", "SchedulerInterval", "worker_batch"]
 
 Precision = Literal["bf16", "fp16"] | None
 FailurePolicy = Literal["skip", "raise"]
@@ -30,6 +30,8 @@ class FitOptions:
 
     Data:
         batch_size: samples per worker (a rank, or a replica) and micro-step.
+        global_batch_size: instead of ``batch_size``: samples per optimizer step over every worker
+            and micro-step, kept when the number of workers changes (which must divide it).
         epochs, steps: when to stop (optimizer steps; with both, whichever comes first).
         val_data, val_every, val_batch_size: validation set, every ``val_every`` steps (default:
             every epoch and at the end), with its own batch size (default ``batch_size``).
@@ -64,7 +66,8 @@ class FitOptions:
         InvalidArgumentError: an option out of range, naming it and what to give instead.
     """
 
-    batch_size: int
+    batch_size: int | None = None
+    global_batch_size: int | None = None
     epochs: int | None = None
     steps: int | None = None
     val_data: Any = None
@@ -111,10 +114,15 @@ def _positive(value: Any, allow_none: bool = False) -> bool:
 
 def _problem(o: FitOptions) -> str | None:
     """What is wrong with ``o``, as ``"name=value): what to give"``, or None."""
-    for name in ("batch_size", "accumulate", "log_every", "keep"):
+    if (o.batch_size is None) == (o.global_batch_size is None):
+        return (f"batch_size={o.batch_size!r}, global_batch_size={o.global_batch_size!r}): give exactly one: "
+                "batch_size (samples per worker) or global_batch_size (samples per optimizer step over every "
+                "worker, kept when the number of ranks changes).")
+    for name in ("accumulate", "log_every", "keep"):
         if not _positive(getattr(o, name)):
             return f"{name}={getattr(o, name)!r}): give an int >= 1."
-    for name in ("epochs", "steps", "val_every", "val_batch_size", "checkpoint_every"):
+    for name in ("batch_size", "global_batch_size", "epochs", "steps", "val_every", "val_batch_size",
+                 "checkpoint_every"):
         if not _positive(getattr(o, name), allow_none=True):
             return f"{name}={getattr(o, name)!r}): give an int >= 1, or leave it out."
     if o.epochs is None and o.steps is None:
@@ -138,3 +146,21 @@ def _problem(o: FitOptions) -> str | None:
     if isinstance(o.num_workers, bool) or not isinstance(o.num_workers, int) or o.num_workers < 0:
         return f"num_workers={o.num_workers!r}): give an int >= 0."
     return None
+
+
+def worker_batch(o: FitOptions, ranks: int, replicas: int) -> int:
+    """Samples per worker and micro-step: ``batch_size``, or ``global_batch_size`` split over
+    ``ranks x replicas x accumulate`` (InvalidArgumentError, alike on every rank, when it does not divide)."""
+    if o.global_batch_size is None:
+        assert o.batch_size is not None  # checked when o was built
+        return o.batch_size
+    g, parts = o.global_batch_size, ranks * replicas * o.accumulate
+    if g % parts == 0:
+        return g // parts
+    near = " or ".join(str(m) for m in sorted({g // parts * parts, (g // parts + 1) * parts}) if m > 0)
+    per_rank = replicas * o.accumulate
+    ranks_hint = (f", or run on a number of ranks that divides {g // per_rank}" if g % per_rank == 0 else "")
+    raise InvalidArgumentError(
+        f"phalanx.train.fit(global_batch_size={g}): it does not split into {ranks} rank(s) x {replicas} "
+        f"replica(s) x accumulate={o.accumulate} = {parts} equal parts. Give a multiple of {parts} "
+        f"(e.g. {near}){ranks_hint}.")

@@ -24,7 +24,7 @@ def lr(run: Run) -> float:
 
 def hparams(run: Run, total: int) -> dict[str, Any]:
     o = run.o
-    return {"batch_size": o.batch_size, "global_batch": run.global_batch * o.accumulate,
+    return {"batch_size": run.batch_size, "global_batch": run.global_batch * o.accumulate,
             "ranks": run.size, "replicas": run.k, "accumulate": o.accumulate, "steps": total,
             "epochs": o.epochs, "optimizer": type(run.inner).__name__, "lr": lr(run),
             "precision": o.precision or "fp32", "backend": _world.backend(), "seed": o.seed}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from .._errors import CheckpointError
@@ -19,8 +20,9 @@ __all__ = ["capture", "resume"]
 def capture(run: Run) -> dict[str, Any]:
     """The state of ``run`` at its current step (collective)."""
     progress = {"epoch": run.epoch, "samples_in_epoch": run.start, "global_step": run.global_step,
-                "world_size": run.size, "replicas": run.k, "batch_size": run.o.batch_size,
-                "accumulate": run.o.accumulate, "skipped": run.policy.skipped}
+                "world_size": run.size, "replicas": run.k, "batch_size": run.batch_size,
+                "accumulate": run.o.accumulate, "global_batch": run.global_batch * run.o.accumulate,
+                "skipped": run.policy.skipped}
     return capture_state(model=run.model, optimizer=run.inner, scheduler=run.scheduler, scaler=run.scaler,
                          progress=progress, extra={"history": run.history.to_json()})
 
@@ -53,7 +55,28 @@ def resume(run: Run) -> bool:
         state = found[1]
     else:
         state = use(load_checkpoint(os.fspath(o.resume)))
+    _check_global_batch(run, state.get("progress") or {})
     extra = state.get("extra") or {}
     if isinstance(extra.get("history"), str):
         run.history.records = History.from_json(extra["history"]).records
+    run._saved_at = run.global_step
+    val_steps = run.history.steps("val/loss") if "val/loss" in run.history else []
+    run._validated_at = val_steps[-1] if val_steps else -1
     return True
+
+
+def _check_global_batch(run: Run, progress: dict[str, Any]) -> None:
+    """Warn (rank 0) when the checkpoint's steps had another global batch: the position carries over,
+    but the steps that follow differ from those of an uninterrupted run."""
+    saved = progress.get("global_batch")
+    if saved is None and all(k in progress for k in ("batch_size", "world_size", "replicas", "accumulate")):
+        saved = progress["batch_size"] * progress["world_size"] * progress["replicas"] * progress["accumulate"]
+    now = run.global_batch * run.o.accumulate
+    if saved is None or saved == now or run.rank != 0:
+        return
+    warnings.warn(
+        f"phalanx.train.fit(resume={run.o.resume!r}): the checkpoint was written with a global batch of {saved} "
+        f"samples per step, this run takes {now} ({run.batch_size} per worker x {run.size} rank(s) x {run.k} "
+        f"replica(s) x accumulate={run.o.accumulate}); training continues at the next unseen sample, but not as "
+        f"the uninterrupted run would. Pass global_batch_size={saved} to keep it at any number of ranks.",
+        RuntimeWarning, stacklevel=4)

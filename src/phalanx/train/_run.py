@@ -29,7 +29,7 @@ from . import _report
 from ._batches import GlobalBatches, SeededSamples, sized
 from ._history import History
 from ._metrics import autocast, batch_sums, evaluate, loader_options, model_device, split_batch, to_device
-from ._options import FitOptions
+from ._options import FitOptions, worker_batch
 from ._policy import (
     NONFINITE_GRAD,
     NONFINITE_LOSS,
@@ -77,7 +77,9 @@ class Run:
         self.started = time.monotonic()
         self.samples_done = 0
         if o.resume is not None:
-            self._resume()
+            from ._resume import resume
+
+            resume(self)
         self._start_reduction(optimizer)
 
     def _wrappers(self, optimizer: Any) -> None:
@@ -101,15 +103,16 @@ class Run:
 
     def _geometry(self) -> None:
         o = self.o
-        self.local = o.batch_size * self.k  # samples per rank and micro-step
+        self.batch_size = worker_batch(o, self.size, self.k)  # samples per worker and micro-step
+        self.local = self.batch_size * self.k  # samples per rank and micro-step
         self.global_batch = self.local * self.size  # samples per micro-step, all ranks
         n = len(self.train_data)
         self.micro_per_epoch = n // self.global_batch // o.accumulate * o.accumulate
         if self.micro_per_epoch == 0:
             raise InvalidArgumentError(
                 f"phalanx.train.fit: train_data has {n} samples, fewer than one optimizer step needs: "
-                f"batch_size={o.batch_size} x {self.size} rank(s) x {self.k} replica(s) x "
-                f"accumulate={o.accumulate} = {self.global_batch * o.accumulate}. Use a smaller batch_size.")
+                f"batch_size={self.batch_size} x {self.size} rank(s) x {self.k} replica(s) x accumulate="
+                f"{o.accumulate} = {self.global_batch * o.accumulate}. Use a smaller (global_)batch_size.")
         self.steps_per_epoch = self.micro_per_epoch // o.accumulate
 
     def _start_reduction(self, optimizer: Any) -> None:
@@ -372,7 +375,7 @@ class Run:
         if self.val_data is None:
             return
         model = self.replicas[0] if self.replicas is not None else self.model
-        metrics = evaluate(model, self.loss_fn, self.val_data, batch_size=o.val_batch_size or o.batch_size,
+        metrics = evaluate(model, self.loss_fn, self.val_data, batch_size=o.val_batch_size or self.batch_size,
                            topk=o.topk, num_workers=o.num_workers, collate_fn=o.collate_fn,
                            precision=o.precision)
         self._validated_at = self.global_step
@@ -387,14 +390,6 @@ class Run:
 
         self.checkpoint = self.manager.save(capture(self), self.global_step)
         self._saved_at = self.global_step
-
-    def _resume(self) -> None:
-        from ._resume import resume
-
-        if resume(self):
-            self._saved_at = self.global_step
-            val_steps = self.history.steps("val/loss") if "val/loss" in self.history else []
-            self._validated_at = val_steps[-1] if val_steps else -1
 
     def _stop_name(self) -> str:
         name = self.stop_signal.signal_name if self.stop_signal is not None else None
