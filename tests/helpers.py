@@ -6,7 +6,7 @@ import functools
 import inspect
 from typing import Any
 
-__all__ = ["doc_problems", "nan_in_backward", "raise_in_backward", "requires_cuda"]
+__all__ = ["doc_problems", "nan_in_backward", "raise_in_backward", "requires_cuda"]  # and requires_hosts, made on first use
 
 
 @functools.cache
@@ -47,6 +47,25 @@ def requires_cuda(gpus: int = 1) -> Any:
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return pytest.mark.skipif(visible < gpus, reason=f"needs {gpus} CUDA GPU{'s' * (gpus > 1)}, {visible} visible")
+
+
+def __getattr__(name: str) -> Any:
+    # ``requires_hosts`` is made on first use: ranks import this module and never pay for the probe.
+    if name == "requires_hosts":
+        return _requires_hosts()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def _requires_hosts() -> Any:
+    """A pytest mark: skip, saying why, unless this process can build simulated hosts (root, Linux,
+    ``ip``/``nsenter``/``unshare``/``tc``, namespaces allowed); the probe runs once per process."""
+    import pytest
+
+    from phalanx.testing._netns import why_unavailable
+
+    reason = why_unavailable()
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
 
 
 POINTERS = ("module docstring", "see the docstring", "as for ", "raises as ")  # phrases that send the reader elsewhere

@@ -24,6 +24,7 @@ __all__ = [
     "PhalanxError",
     "RankFailedError",
     "RendezvousError",
+    "SimulatedHostsUnavailableError",
     "TrainingError",
     "UnknownMetricError",
     "UnsupportedArgumentError",
@@ -164,3 +165,9 @@ class UnknownMetricError(PhalanxError, KeyError):
 
     def __str__(self) -> str:  # KeyError would show the message in quotes
         return str(self.args[0]) if self.args else ""
+
+
+class SimulatedHostsUnavailableError(PhalanxError, RuntimeError):
+    """:func:`phalanx.testing.simulated_hosts` cannot build hosts here: not root, not Linux, a tool
+    (``ip``, ``nsenter``, ``unshare``, ``tc``) missing, or the kernel refused a namespace; the
+    message says which and what the system answered."""

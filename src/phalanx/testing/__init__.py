@@ -52,13 +52,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ._errors import InvalidArgumentError, UnsupportedArgumentError
-from .launch._call import MAIN_ALIAS
-from .launch._job import worker_command
-from .launch._mpi_flavor import find_mpiexec
-from .launch._procs import descendants, kill_pids
+from .._errors import InvalidArgumentError, UnsupportedArgumentError
+from ..launch._call import MAIN_ALIAS
+from ..launch._job import worker_command
+from ..launch._mpi_flavor import find_mpiexec
+from ..launch._procs import descendants, kill_pids
+from ._hosts import SimulatedHosts, simulated_hosts
 
-__all__ = ["WorldFailed", "available_backends", "run_world"]
+__all__ = ["SimulatedHosts", "WorldFailed", "available_backends", "run_world", "simulated_hosts"]
 
 _STOP_GRACE = 5.0  # after the hard timeout: how long the launcher gets to stop its ranks itself
 
