@@ -18,21 +18,22 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from ._job import GRACE, Launch, Signals, worker_command
+from ._job import GRACE, Launch, Signals, notice, worker_command
 from ._jobdir import any_record, read_records
 from ._logs import Echo, log_path, pump
-from ._procs import child_setup, stop_groups
-from ._report import Death, failure_report, first_failure
+from ._procs import child_setup, signal_name, stop_groups
+from ._report import Death, describe_exit, failure_report, first_failure
 from ._start import StartClock
 
-__all__ = ["free_port", "run_spawn"]
+__all__ = ["Outcome", "Placement", "free_port", "run_spawn"]
 
 POLL = 0.05
 
 
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago (rank 0's store binds it).
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` (an address of this machine) a moment ago (rank 0's store binds it).
 
     Chosen below Linux's ephemeral range (32768+), where ``bind(0)`` would pick it: there the
     outgoing connections of other jobs could take it before rank 0 binds it.
@@ -40,34 +41,71 @@ def free_port() -> int:
     for port in random.sample(range(20000, 32768), 32):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind((host, port))
             except OSError:
                 continue
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
-def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) -> int:
-    """Start ``job.n`` ranks here, supervise them to the end; returns the exit status (report on stderr)."""
+@dataclass(frozen=True)
+class Placement:
+    """Where the ranks this launcher starts sit in the job: the global ``ranks`` (one per local
+    rank; default ``0..job.n - 1``) of ``world_size``, meeting rank 0's store at
+    ``master_addr:master_port`` (a free port here when ``None``), plus ``env`` for every rank."""
+
+    world_size: int
+    ranks: tuple[int, ...] = ()
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    """How a failed job failed, for a driver that supervises several hosts (set by :func:`run_spawn`)."""
+
+    rank: int | None = None  # the global rank that failed first (None: unknown)
+    time: float | None = None  # when (time.time() of the record or of the launcher noticing its death)
+    type: str = ""  # the exception's type name, "" when the rank left no record
+    message: str = ""  # its message, or how the rank ended
+    code: int | None = None  # the rank's own exit status
+    stopped: str = ""  # why the launcher stopped ranks that had not failed (lost driver, signal)
+
+
+def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals,
+              placement: Placement | None = None, lost: Callable[[], str | None] | None = None,
+              outcome: Outcome | None = None) -> int:
+    """Start ``job.n`` ranks here, supervise them to the end; returns the exit status (report on stderr).
+
+    ``placement`` puts them in a larger world (default: ranks 0..n-1 of n, store on 127.0.0.1);
+    ``lost()`` returning a reason ends the job (the driver of a multi-host job is gone);
+    ``outcome`` receives the first failure.
+    """
     start = time.time()
-    procs = _start_ranks(job, env)
+    placement = placement or Placement(world_size=job.n, ranks=tuple(range(job.n)))
+    procs = _start_ranks(job, env, placement)
     # Readers start after the last fork: preexec_fn and running threads do not mix.
     readers: list[threading.Thread] = []
     files = []
     if job.log_dir is not None:
-        for rank, proc in enumerate(procs):
+        for rank, proc in procs.items():
             assert proc.stdout is not None
             files.append(open(log_path(job.log_dir, rank), "wb"))  # closed once its reader is done
             readers.append(pump(proc.stdout, [files[-1]], Echo(rank, job.echo)))
     ranks = _Ranks(procs)
-    clock = StartClock(job_dir, job.n, job.start_timeout or float("inf"))
+    # Every rank here reports to this job directory only when the whole world runs here.
+    timeout = (job.start_timeout or float("inf")) if placement.world_size == job.n else float("inf")
+    clock = StartClock(job_dir, job.n, timeout)
+    why_lost = None
     while True:
         running = ranks.reap()
         # A recorded exception ends the job at once, before its rank has finished exiting.
         failed = ranks.failed() or any_record(job_dir)
-        if failed or signals.received or not running or clock.overdue(time.monotonic()):
+        why_lost = lost() if lost is not None and not failed else None
+        if failed or why_lost or signals.received or not running or clock.overdue(time.monotonic()):
             break
         time.sleep(POLL)
     if running:
@@ -78,66 +116,80 @@ def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) 
         thread.join(timeout=5)
     for f in files:
         f.close()
-    if signals.received:
-        return signals.exit_code
+    if signals.received or why_lost:
+        if outcome is not None:
+            outcome.stopped = why_lost or signal_name(signals.received or 0)
+        if why_lost and not signals.received:
+            notice(f"{why_lost}: stopped every rank here.")
+        return signals.exit_code if signals.received else 1
     if clock.report is not None and not failed:
         sys.stderr.write(clock.report + "\n")
         return 1
-    return _report(job_dir, ranks.deaths, start) if failed else 0
+    return _report(job_dir, ranks.deaths, start, outcome) if failed else 0
 
 
-def _start_ranks(job: Launch, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
-    """Rank r with the torch.distributed environment, in its own session; all or none started."""
-    port = str(free_port())
+def _start_ranks(job: Launch, env: dict[str, str], placement: Placement) -> dict[int, subprocess.Popen[bytes]]:
+    """Each rank with the torch.distributed environment, in its own session; all or none started."""
+    port = str(placement.master_port or free_port())
     setup = child_setup()
     logs = job.log_dir is not None
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: dict[int, subprocess.Popen[bytes]] = {}
     try:
-        for rank in range(job.n):
-            rank_env = dict(env, RANK=str(rank), WORLD_SIZE=str(job.n), LOCAL_RANK=str(rank),
-                            LOCAL_WORLD_SIZE=str(job.n), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-            procs.append(subprocess.Popen(
+        for local, rank in enumerate(placement.ranks):
+            rank_env = dict(env, **placement.env, RANK=str(rank), WORLD_SIZE=str(placement.world_size),
+                            LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(len(placement.ranks)),
+                            MASTER_ADDR=placement.master_addr, MASTER_PORT=port)
+            procs[rank] = subprocess.Popen(
                 worker_command(job.target), env=rank_env, start_new_session=True, preexec_fn=setup,
                 stdout=subprocess.PIPE if logs else None, stderr=subprocess.STDOUT if logs else None,
-            ))
+            )
     except BaseException:
-        stop_groups([p.pid for p in procs], lambda: [p.pid for p in procs if p.poll() is None], GRACE)
+        stop_groups([p.pid for p in procs.values()], lambda: [p.pid for p in procs.values() if p.poll() is None],
+                    GRACE)
         raise
     return procs
 
 
 class _Ranks:
-    """The spawned ranks and how each ended (:class:`Death`, stamped when the launcher noticed)."""
+    """The spawned ranks (global rank -> process) and how each ended (:class:`Death`, stamped when
+    the launcher noticed)."""
 
-    def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:
+    def __init__(self, procs: dict[int, subprocess.Popen[bytes]]) -> None:
         self.procs = procs
         self.deaths: dict[int, Death] = {}
 
     def reap(self) -> list[int]:
         """Note the ranks that ended since the last look; return those still running."""
         now = time.time()
-        for rank, proc in enumerate(self.procs):
+        for rank, proc in self.procs.items():
             if rank not in self.deaths and (code := proc.poll()) is not None:
                 self.deaths[rank] = Death(code, now)
-        return [rank for rank in range(len(self.procs)) if rank not in self.deaths]
+        return [rank for rank in self.procs if rank not in self.deaths]
 
     def failed(self) -> bool:
         return any(d.code != 0 for d in self.deaths.values())
 
 
-def _report(job_dir: str, deaths: dict[int, Death], start: float) -> int:
+def _report(job_dir: str, deaths: dict[int, Death], start: float, outcome: Outcome | None) -> int:
     """Print the failure report; return the first failing rank's own exit status (1 if unknown)."""
     records = read_records(job_dir)
     first = first_failure(records, deaths)
     sys.stderr.write(failure_report(first, start, records, deaths) + "\n")
     sys.stderr.flush()
     code = deaths[first].code if first is not None and first in deaths else None
+    if outcome is not None and first is not None:
+        record, death = records.get(first), deaths.get(first, Death())
+        outcome.rank, outcome.code = first, code
+        outcome.time = float(record["time"]) if record else death.at
+        outcome.type = record["type"] if record else ""
+        outcome.message = (record["message"].splitlines() or [""])[0] if record else (
+            describe_exit(code) if code is not None else "ended")
     if code is None or code == 0 or deaths[first].by_launcher:
         return 1
     return code if code > 0 else 128 - code
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], running: list[int], recorders: set[int],
+def _stop(procs: dict[int, subprocess.Popen[bytes]], running: list[int], recorders: set[int],
           reap: Callable[[], list[int]], hurry: Callable[[], bool], grace: float = GRACE) -> list[int]:
     """Stop the ranks still running; return the ones the launcher had to signal.
 
