@@ -8,6 +8,8 @@ import shlex
 
 from .._errors import LaunchError
 from ..launch import Launch, default_backend, launch
+from ..launch._hostlist import hosts_from_args
+from ..launch._slurm import job_ranks
 
 __all__ = ["add_run_options", "job_from_args", "main", "split_target"]
 
@@ -15,7 +17,8 @@ USAGE = "phalanx run -n N [options] script.py [args...]\n       phalanx run -n N
 
 # Launcher options that take a value: everything before the script (or -m) belongs to phalanx.
 _VALUED = {"-n", "--np", "--backend", "--log-dir", "--timeout", "--start-timeout", "--mpiexec", "--mpi-args",
-           "--max-restarts", "--min-ranks", "--nnodes", "--node-rank", "--master", "--iface", "--secret-file"}
+           "--max-restarts", "--min-ranks", "--nnodes", "--node-rank", "--master", "--iface", "--secret-file",
+           "--hosts", "--hostfile", "--rsh"}
 
 
 def split_target(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -37,9 +40,10 @@ def split_target(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def add_run_options(parser: argparse.ArgumentParser, *, n_default: int | None = None) -> None:
-    parser.add_argument("-n", "--np", dest="n", type=int, required=n_default is None, default=n_default,
-                        metavar="N", help="number of processes (ranks) on this machine"
-                        + (f" (default {n_default})" if n_default else ""))
+    parser.add_argument("-n", "--np", dest="n", type=int, default=n_default,
+                        metavar="N", help="number of processes (ranks); required on one host"
+                        + (f" (default {n_default})" if n_default else "") + "; with --hosts/--hostfile the "
+                        "default is their slots, inside a Slurm allocation with mpi SLURM_NTASKS")
     parser.add_argument("--backend", choices=("mpi", "gloo", "nccl"),
                         help="default: mpi when mpi4py and an mpiexec are installed, else nccl when "
                              "torch sees GPUs, else gloo")
@@ -54,12 +58,24 @@ def add_run_options(parser: argparse.ArgumentParser, *, n_default: int | None = 
     parser.add_argument("--start-timeout", type=float, metavar="S",
                         help="seconds every rank has to reach phalanx.init once another rank has; else the "
                              "job ends naming the missing ranks (default PHALANX_START_TIMEOUT or 600). Not applied to "
-                             "mpi jobs that may place ranks on other hosts (--mpi-args naming hosts, a batch "
-                             "allocation)")
+                             "mpi jobs that may place ranks on other hosts (--hosts/--hostfile, --mpi-args "
+                             "naming hosts, a Slurm or other batch allocation): ranks there cannot tell this "
+                             "host that they reached init")
     parser.add_argument("--mpiexec", metavar="PATH", help="the mpiexec to use (default: the one beside "
                         "this Python, e.g. from `pip install mpich`, then PATH)")
     parser.add_argument("--mpi-args", default="", metavar="'ARGS'",
                         help="extra mpiexec arguments, one quoted string, e.g. --mpi-args='--bind-to core'")
+    parser.add_argument("--hosts", metavar="H0:N,H1:N",
+                        help="run the ranks on these hosts, N slots (ranks) each, default 1 (mpi: through "
+                             "mpiexec; gloo/nccl: one launcher per host), started through ssh or --rsh")
+    parser.add_argument("--hostfile", metavar="FILE",
+                        help="like --hosts, from a file: one `host slots=N` (Open MPI, horovodrun), `host:N` "
+                             "(MPICH) or `host` line per host; # starts a comment")
+    parser.add_argument("--rsh", metavar="CMD",
+                        help="with --hosts/--hostfile: the command that runs a command on another host, "
+                             "ssh-style (`CMD HOST COMMAND...`; default ssh)")
+    parser.add_argument("--oversubscribe", action="store_true",
+                        help="with --hosts/--hostfile: allow more ranks (-n) than the hosts' slots")
     parser.add_argument("--nnodes", type=int, default=1, metavar="N",
                         help="gloo/nccl, one `phalanx run` per host (torchrun's convention): the number of hosts; "
                              "each runs -n ranks, host K's being ranks K*n..K*n+n-1. Needs --node-rank, --master "
@@ -69,7 +85,8 @@ def add_run_options(parser: argparse.ArgumentParser, *, n_default: int | None = 
     parser.add_argument("--master", metavar="HOST[:PORT]", help="with --nnodes: where rank 0 serves the "
                         "rendezvous, the same on every host (default port 29500)")
     parser.add_argument("--iface", metavar="NAME", help="the network interface the ranks use across hosts "
-                        "(sets PHALANX_IFACE; default: the one that routes to the master)")
+                        "(sets PHALANX_IFACE; mpi: also mpiexec's -iface (MPICH) or btl/oob_tcp_if_include (Open MPI); "
+                        "default: the one that routes to the master)")
     parser.add_argument("--secret-file", metavar="FILE", help="with --nnodes: read the job's secret from FILE "
                         "instead of PHALANX_SECRET")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
@@ -102,10 +119,17 @@ def job_from_args(args: argparse.Namespace, target: list[str]) -> Launch:
     except ValueError as exc:
         raise LaunchError(f"phalanx run: cannot split --mpi-args {args.mpi_args!r}: {exc}") from None
     backend = args.backend or default_backend(args.mpiexec)
-    return Launch(n=args.n, backend=backend, target=target, log_dir=args.log_dir, echo=args.echo,
+    hosts = hosts_from_args(args.hosts, args.hostfile)
+    if args.rsh is not None and hosts is None:
+        raise LaunchError(f"phalanx run --rsh {args.rsh!r}: it starts ranks on other hosts; give them with "
+                          "--hosts h0:2,h1:2 or --hostfile FILE.")
+    n = job_ranks(args.n, hosts, backend, oversubscribe=args.oversubscribe,
+                  flag="--hostfile" if args.hostfile else "--hosts")
+    return Launch(n=n, backend=backend, target=target, log_dir=args.log_dir, echo=args.echo,
                   timeout=args.timeout, mpiexec=args.mpiexec, mpi_args=mpi_args, start_timeout=args.start_timeout,
                   max_restarts=args.max_restarts, min_ranks=args.min_ranks, nnodes=args.nnodes,
-                  node_rank=args.node_rank, master=args.master, iface=args.iface, secret_file=args.secret_file)
+                  node_rank=args.node_rank, master=args.master, iface=args.iface, secret_file=args.secret_file,
+                  hosts=hosts, rsh=args.rsh, oversubscribe=args.oversubscribe)
 
 
 def main(argv: list[str]) -> int:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from .._errors import LaunchError
+from .._net import is_local_address
+from ._hostlist import Host, as_hosts
 from ._procs import signal_name
 
 __all__ = ["GRACE", "Launch", "Signals", "all_local", "notice", "rank_env", "seconds_from_env",
@@ -76,6 +78,12 @@ class Launch:
     secret_file: str | None = None  # file holding the job's secret (default: $PHALANX_SECRET)
     max_restarts: int = 0  # a failed job is started again up to this many times (._elastic)
     min_ranks: int | None = None  # a restart on fewer ranks than this is refused (default 1)
+    hosts: list[Host] | None = None  # ranks on these hosts (--hosts/--hostfile; ._hostlist); None: all here
+    rsh: str | None = None  # the command that starts a process on another host (default: ssh)
+    oversubscribe: bool = False  # more ranks than the hosts' slots
+
+    def __post_init__(self) -> None:
+        self.hosts = as_hosts(self.hosts)  # "h0:2,h1:2" or [name, slots] pairs (JSON) become Host entries
 
     def resolve_settings(self) -> None:
         """Fill ``stop_grace`` and ``start_timeout`` from the environment (LaunchError when malformed)."""
@@ -92,6 +100,8 @@ def all_local(job: Launch) -> bool:
     """True when every rank runs on this host (spawned ranks always do; MPI unless told otherwise)."""
     if job.backend != "mpi":
         return True
+    if job.hosts and any(not is_local_address(h.name) for h in job.hosts):
+        return False
     return not _PLACEMENT.search(" ".join(job.mpi_args)) and not any(v in os.environ for v in _BATCH_SYSTEMS)
 
 

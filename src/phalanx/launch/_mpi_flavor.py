@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .._errors import LaunchError
 from .._net import loopback_interface
-from ._job import Launch, notice
+from ._job import Launch, all_local, notice
 
 __all__ = ["LOOPBACK_ENV", "Flavor", "check_library", "classify", "find_mpiexec", "hydra_args", "library_version",
            "loopback_env", "mpiexec_flavor", "openmpi_args"]
@@ -110,7 +110,9 @@ def openmpi_args(job: Launch, flavor: Flavor, env: dict[str, str], ours: list[st
     user = " ".join(job.mpi_args)
     placed = re.search(r"oversubscribe|--map-by|--host|-H\b|hostfile|machinefile", user, re.IGNORECASE)
     cores = _cores()
-    if job.n > cores and not placed:
+    if job.oversubscribe and not placed:  # more ranks than the hosts' slots: checked and asked for
+        args += ["--map-by", ":OVERSUBSCRIBE"] if flavor.version[:1] >= (5,) else ["--oversubscribe"]
+    elif job.n > cores and not placed and all_local(job):
         args += ["--map-by", ":OVERSUBSCRIBE"] if flavor.version[:1] >= (5,) else ["--oversubscribe"]
         notice(f"{job.n} ranks on {cores} cores: adding `{' '.join(args)}` (Open MPI refuses more ranks "
                "than cores otherwise; expect each rank to run slower).")

@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .._errors import LaunchError
-from ._hostlist import Host
+from ._hostlist import Host, ranks_for
 
-__all__ = ["Allocation", "allocation", "expand_nodelist", "expand_tasks_per_node"]
+__all__ = ["Allocation", "allocation", "expand_nodelist", "expand_tasks_per_node", "job_ranks"]
 
 
 def _split_top(text: str) -> list[str]:
@@ -126,3 +126,27 @@ def allocation(environ: Mapping[str, str] | None = None) -> Allocation | None:
     return Allocation(job_id=job_id, ntasks=int(ntasks_text) if ntasks_text else None,
                       nodes=expand_nodelist(nodelist) if nodelist else [],
                       tasks_per_node=expand_tasks_per_node(tasks) if tasks else [])
+
+
+def job_ranks(n: int | None, hosts: list[Host] | None, backend: str, *, oversubscribe: bool = False,
+              flag: str = "--hosts", environ: Mapping[str, str] | None = None) -> int:
+    """The number of ranks of a ``phalanx run`` job: ``n`` (``-n``), checked against ``hosts``; else the
+    hosts' slots; else, for an mpi job inside a Slurm allocation, its task count (``SLURM_NTASKS``,
+    or the sum of ``SLURM_TASKS_PER_NODE``).
+
+    Raises :class:`~phalanx.LaunchError` when no count can be found (``-n`` is needed), or when ``n``
+    exceeds the hosts' slots without ``oversubscribe``.
+    """
+    if hosts is not None:
+        return ranks_for(n, hosts, oversubscribe=oversubscribe, flag=flag)
+    if n is not None:
+        return n
+    alloc = allocation(environ) if backend == "mpi" else None
+    if alloc is not None:
+        if alloc.ntasks is not None:
+            return alloc.ntasks
+        if alloc.tasks_per_node:
+            return sum(alloc.tasks_per_node)
+    where = " (this Slurm allocation sets no SLURM_NTASKS: ask for tasks with sbatch -n N)" if alloc else ""
+    raise LaunchError(f"phalanx run: no number of ranks given{where}; give -n N (e.g. phalanx run -n 4 train.py), "
+                      "or the hosts and their slots with --hosts h0:2,h1:2 or --hostfile FILE.")
