@@ -33,6 +33,35 @@ under the same module name, so classes it defines unpickle on both sides.
 Any failure (a non-zero exit, or the hard ``timeout`` passing, after which
 the whole process tree is killed) raises :class:`WorldFailed` with the
 launcher's report and every rank's complete output.
+
+Simulated hosts
+---------------
+
+:func:`simulated_hosts` builds ``k`` Linux hosts on this machine (network
+namespaces behind one switch; root needed) for tests of multi-host jobs::
+
+    import subprocess, sys
+    from phalanx.testing import simulated_hosts
+
+    def test_allreduce_on_two_hosts():
+        with simulated_hosts(2, rate="1gbit") as hosts:   # h0, h1: 198.18.0.1 and .2 on eth0
+            job = hosts.run(0, ["mpiexec", "-launcher", "ssh", "-launcher-exec", hosts.rsh,
+                                "-hosts", "h0:1,h1:1", sys.executable, "job.py"], timeout=60)
+            assert job.returncode == 0
+            hosts.cut(1)        # h1's link goes down (hosts.heal(1) brings it back)
+            hosts.kill(1)       # every process on h1 dies
+        # here no process, namespace or file of the hosts is left, even if the body raised
+
+Host ``i`` is named ``hI`` (resolvable on every host) and has its own address,
+host name, IPC namespace, ``/dev/shm`` and ``TMPDIR``; the rest of the file
+system is shared, as an NFS home would be. ``hosts.run``/``hosts.popen`` run a
+command on a host like ``subprocess``; ``hosts.rsh`` is an ssh stand-in
+(``RSH [ssh options] HOST COMMAND...``: the words joined and run by ``sh -c``
+with ssh's minimal environment) for ``mpiexec -launcher-exec``, Open MPI's
+``--mca plm_rsh_agent`` or ``phalanx run --rsh``. ``hosts.set_rate`` shapes
+bandwidth; delay and loss are not simulated. Where hosts cannot be built (not
+root, not Linux), entering raises ``SimulatedHostsUnavailableError`` saying why:
+skip such tests there.
 """
 
 from __future__ import annotations

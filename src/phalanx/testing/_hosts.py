@@ -104,7 +104,6 @@ class SimulatedHosts:
         self._holders: list[subprocess.Popen[bytes]] = []
         self._inodes: list[int] = []
         self._state = "new"
-        self._previous_sigterm: Any = None
 
     def __len__(self) -> int:
         return len(self.names)
@@ -126,7 +125,7 @@ class SimulatedHosts:
         self._state = "open"
         with _lock:
             _open.add(self)
-        self._catch_sigterm()
+            _catch_sigterm()
         try:
             self._build()
         except BaseException:
@@ -231,19 +230,8 @@ class SimulatedHosts:
         finally:
             with _lock:
                 _open.discard(self)
-            self._restore_sigterm()
-
-    def _catch_sigterm(self) -> None:
-        """While open, a SIGTERM to a process that would just die unwinds it instead, so cleanup runs."""
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            self._previous_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
-
-    def _restore_sigterm(self) -> None:
-        if self._previous_sigterm is not None and threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
-        self._previous_sigterm = None
+                if not _open:
+                    _restore_sigterm()
 
     # -- running things ---------------------------------------------------------------------------
 
@@ -257,7 +245,7 @@ class SimulatedHosts:
         return subprocess.run(self._enter(i, argv, kw), **kw)
 
     def popen(self, i: int, argv: str | Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
-        """Start ``argv`` on host ``i``, as ``subprocess.Popen(argv, **kw)`` does; the arguments as for ``run``.
+        """Start ``argv`` on host ``i`` and return at once, as ``subprocess.Popen(argv, **kw)`` does.
 
         ``i``: the host; ``argv``: the command (a string with ``shell=True``); ``kw``: Popen's keywords
         (``cwd`` and ``env`` apply on the host, which adds its ``TMPDIR``). Raises
@@ -372,6 +360,20 @@ class SimulatedHosts:
 
 def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
+
+
+def _catch_sigterm() -> None:
+    """While hosts are open, a SIGTERM that would kill this process at once unwinds it instead (cleanup runs).
+
+    Only where SIGTERM has its default action, and only from the main thread (Python's rule for handlers).
+    """
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def _restore_sigterm() -> None:
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is _exit_on_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @atexit.register
