@@ -25,7 +25,7 @@ pytest.importorskip("sklearn")
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "digits.py"
-EPOCHS = 6
+EPOCHS = 3  # enough to learn (accuracy > 0.8); the runs are mostly start-up
 BATCH = 48  # splits evenly over 1, 2 and 3 ranks
 EPOCH_LINE = re.compile(r"^(\[\d+\] )?epoch +\d+/\d+  train loss \d\.\d{4}  \(\d+\.\d s\)$", re.MULTILINE)
 
@@ -86,7 +86,7 @@ def test_demo_trains_on_one_and_two_processes_and_they_agree() -> None:
     text = run.stdout + run.stderr
     assert run.returncode == 0, text
     assert len(EPOCH_LINE.findall(run.stdout)) == 2 * EPOCHS, text  # rank 0 of each run, shown as it runs
-    one = re.search(r"^1 process:   test accuracy (\d\.\d{4}) \(global batch 64, 6 epochs, trained in "
+    one = re.search(r"^1 process:   test accuracy (\d\.\d{4}) \(global batch 64, " + str(EPOCHS) + r" epochs, trained in "
                     r"\d+\.\d s\)$", run.stdout, re.MULTILINE)
     two = re.search(r"^2 processes: test accuracy (\d\.\d{4}) \(global batch 64 = 2 x 32, (mpi|gloo), "
                     r"trained in \d+\.\d s\)$", run.stdout, re.MULTILINE)
