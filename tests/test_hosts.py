@@ -9,6 +9,7 @@ skipped with the reason (``requires_hosts``), except the argument checks.
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -154,7 +155,7 @@ def test_rsh_gives_the_minimal_environment_of_ssh(hosts: SimulatedHosts) -> None
     done = subprocess.run([hosts.rsh, "h2", "hostname; pwd; env"], env=env, check=True, **RUN)
     name, cwd, *lines = done.stdout.splitlines()
     seen = dict(line.split("=", 1) for line in lines)
-    assert (name, cwd) == ("h2", os.environ.get("HOME", "/"))
+    assert (name, cwd) == ("h2", pwd.getpwuid(os.getuid()).pw_dir)
     assert set(seen) <= {"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "TMPDIR", "PWD", "SHLVL", "_"}
     assert seen["TMPDIR"] == hosts.tmpdir(2) and os.path.dirname(sys.executable) not in seen["PATH"]
 

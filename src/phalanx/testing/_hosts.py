@@ -97,7 +97,8 @@ class SimulatedHosts:
         self.addresses = [f"{SUBNET}{i + 1}" for i in range(k)]
         self.rate = rate
         self.rsh = ""
-        self._id = f"{PREFIX}{os.getpid()}-{next(_counter)}"
+        self._owner = os.getpid()  # a forked child that exits must not take the hosts down (atexit)
+        self._id = f"{PREFIX}{self._owner}-{next(_counter)}"
         self._switch = f"{self._id}-sw"
         self._netns = [f"{self._id}-{name}" for name in self.names]
         self._dir = ""
@@ -381,4 +382,5 @@ def _close_all() -> None:
     with _lock:
         still_open = list(_open)
     for hosts in still_open:
-        hosts.close()
+        if hosts._owner == os.getpid():
+            hosts.close()

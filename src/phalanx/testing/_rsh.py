@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -92,8 +93,13 @@ def _pump(src: int, dst: int, close_dst: bool) -> None:
 
 
 def _environment(entry: dict[str, str]) -> dict[str, str]:
-    home = os.environ.get("HOME", "/root")
-    user = os.environ.get("USER") or os.environ.get("LOGNAME") or "root"
+    """What sshd sets (the account's home and name from the password database, not the caller's variables),
+    ``LANG`` as ssh forwards it by default (``SendEnv LANG``), and the host's ``TMPDIR``."""
+    try:
+        account = pwd.getpwuid(os.getuid())
+        home, user = account.pw_dir, account.pw_name
+    except KeyError:
+        home, user = "/", str(os.getuid())
     env = {"PATH": SSH_PATH, "HOME": home, "USER": user, "LOGNAME": user, "SHELL": "/bin/sh",
            "TMPDIR": entry["tmpdir"]}
     if "LANG" in os.environ:
