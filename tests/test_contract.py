@@ -36,7 +36,7 @@ ALLOWED_CLASSES = {
     ("comm/_base.py", "DiagnosisUnavailable"): "caught by the timeout diagnosis, which says so in "
                                                "the CollectiveTimeoutError",
     ("train/_policy.py", "NonFiniteLoss"): "caught by fit's step loop, which applies the failure policy",
-    ("testing.py", "WorldFailed"): "a failed test world for pytest: an AssertionError (a test failure, with every "
+    ("testing/__init__.py", "WorldFailed"): "a failed test world for pytest: an AssertionError (a test failure, with every "
                                    "rank's output), not an error of the API",
 }
 

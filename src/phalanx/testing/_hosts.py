@@ -241,7 +241,9 @@ class SimulatedHosts:
 
         The command starts in ``kw["cwd"]`` (default: this process's directory) with ``kw["env"]``
         (default: this process's environment) plus the host's ``TMPDIR``; ``shell=True`` runs the
-        string ``argv`` with ``/bin/sh -c`` on the host. Raises ``InvalidArgumentError`` for a bad ``i``.
+        string ``argv`` with ``/bin/sh -c`` on the host. A command that cannot start exits non-zero (127:
+        not found) with ``nsenter``'s message (no ``OSError``, unlike ``subprocess``). Raises
+        ``InvalidArgumentError`` for a bad ``i``.
         """
         return subprocess.run(self._enter(i, argv, kw), **kw)
 
