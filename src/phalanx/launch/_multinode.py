@@ -26,7 +26,7 @@ every launcher's stdin (each stops its ranks at once on EOF), waits a grace
 period, then terminates the rsh processes. The report names the host and
 rank that failed first; each host's own report is relayed above it, every
 stderr line prefixed with the host's name (``h1: ...``); stdout is relayed
-as it comes. A Ctrl-C or SIGTERM stops every rank on every host (exit 130 or
+line by line, unchanged. A Ctrl-C or SIGTERM stops every rank on every host (exit 130 or
 143), with the same grace as on one host. If the driver itself dies, every
 stdin reaches EOF: no rank outlives it.
 """
@@ -51,9 +51,8 @@ from typing import IO, Any
 from .._errors import LaunchError
 from .._net import is_local_address
 from ._job import GRACE, Launch, Signals
-from ._nodes import run_node
+from ._nodes import MARK, run_node
 from ._procs import child_setup, signal_name, stop_groups
-from ._remote import MARK
 from ._report import ECHOES
 from ._spawn import run_spawn
 
@@ -175,13 +174,13 @@ def _start(job: Launch, plan: list[tuple[str, list[int]]], secret: str) -> list[
 
 
 def _relay(remote: _Remote, messages: queue.Queue[tuple[_Remote, dict[str, Any]]]) -> None:
-    """Copy the launcher's stdout as it comes and its stderr line by line, prefixed with the host."""
+    """Copy the launcher's stdout line by line, and its stderr too, each line prefixed with the host."""
     assert remote.proc.stdout is not None and remote.proc.stderr is not None
     prefix = f"{remote.host}: ".encode()
 
     def out(stream: IO[bytes]) -> None:
-        while data := stream.read1(1 << 16):  # type: ignore[attr-defined]
-            _write(sys.stdout, data)
+        for line in stream:  # whole lines: hosts' output never tears each other's lines
+            _write(sys.stdout, line)
 
     def err(stream: IO[bytes]) -> None:
         for line in stream:
@@ -346,7 +345,7 @@ def _summary(remote: _Remote) -> str:
         how = f"raised {outcome['type']}" if outcome.get("type") else outcome.get("message", "failed")
         return f"{remote.host} rank {outcome['rank']} {how}"
     if outcome.get("stopped"):
-        return f"{remote.host} stopped ({outcome['stopped']})"
+        return f"{remote.host}'s ranks stopped"
     return f"{remote.host} {_status(remote.code)}"
 
 

@@ -33,7 +33,7 @@ from .._net import interface_of, is_local_address, is_loopback, route_source
 from ._job import Launch, Signals
 from ._spawn import Placement, run_spawn
 
-__all__ = ["DEFAULT_PORT", "SECRET_HELP", "check_secret", "interface_to", "parse_master", "rank_placement",
+__all__ = ["DEFAULT_PORT", "MARK", "SECRET_HELP", "check_secret", "interface_to", "parse_master", "rank_placement",
            "read_secret", "run_node"]
 
 DEFAULT_PORT = 29500  # torchrun's
@@ -41,6 +41,7 @@ SECRET_HELP = ("make one and give the same to every host, e.g. `export PHALANX_S
                "secrets; print(secrets.token_hex(32))')` (or `--secret-file FILE`), or start the job with "
                "`phalanx run --hosts h0:N,h1:N ...`, which makes one")
 MIN_SECRET = 16  # characters, as the ranks require (phalanx.comm._netplan)
+MARK = "@phalanx-remote "  # starts a stderr line from a per-host launcher (._remote) to its driver (._multinode)
 
 
 def parse_master(text: str) -> tuple[str, int]:

@@ -35,12 +35,11 @@ from typing import Any
 from .._errors import LaunchError
 from .._net import interface_address, is_loopback, resolve, route_source
 from ._job import Launch, Signals, rank_env
-from ._nodes import parse_master, rank_placement
+from ._nodes import MARK, parse_master, rank_placement
 from ._spawn import Outcome, free_port, run_spawn
 
-__all__ = ["MARK", "main"]
+__all__ = ["main"]
 
-MARK = "@phalanx-remote "  # a line for the driver, not for the user
 LOST = "the driver of this job is gone (its connection to this host closed)"
 
 
