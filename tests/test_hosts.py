@@ -258,6 +258,17 @@ def test_rsh_to_a_cut_host_fails_like_ssh_after_the_connect_timeout(hosts: Simul
 
 
 @requires_hosts
+def test_rsh_from_a_cut_host_reaches_only_itself(hosts: SimulatedHosts) -> None:
+    hosts.cut(2)
+    try:
+        out = hosts.run(2, [hosts.rsh, "-o", "ConnectTimeout=0.5", "h0", "true"], **RUN)
+        itself = hosts.run(2, [hosts.rsh, "h2", "hostname"], **RUN)
+    finally:
+        hosts.heal(2)
+    assert (out.returncode, itself.stdout) == (255, "h2\n")
+
+
+@requires_hosts
 def test_kill_leaves_no_process_on_the_host(hosts: SimulatedHosts) -> None:
     started = [hosts.popen(2, "sleep 60 & sleep 60 & wait", shell=True), hosts.popen(2, ["sleep", "60"])]
     time.sleep(0.1)

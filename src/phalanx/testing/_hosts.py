@@ -196,7 +196,7 @@ class SimulatedHosts:
         hosts = {}
         for i, (name, address) in enumerate(zip(self.names, self.addresses, strict=True)):
             hosts[name] = hosts[address] = {"pid": self._holders[i].pid, "tmpdir": self.tmpdir(i),
-                                            "cut_marker": self._cut_marker(i)}
+                                            "cut_marker": self._cut_marker(i), "net": self._inodes[i]}
         config = os.path.join(self._dir, "rsh.json")
         with open(config, "w") as f:
             json.dump({"hosts": hosts}, f)
@@ -283,7 +283,9 @@ class SimulatedHosts:
     def cut(self, i: int) -> None:
         """Take host ``i``'s link down at the switch: its packets go nowhere, its connections stall.
 
-        New ``rsh`` connections to it fail (exit 255) after ssh's connect timeout. Undo with :meth:`heal`.
+        New ``rsh`` connections to or from it fail (exit 255) after ssh's connect timeout; ``rsh``
+        streams already open keep flowing (they do not cross the simulated network). Undo with
+        :meth:`heal`.
         """
         i = self._index(i, "cut")
         command(["ip", "-n", self._switch, "link", "set", f"p{i}", "down"])

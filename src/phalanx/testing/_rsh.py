@@ -15,8 +15,9 @@ importable. It behaves as ``ssh`` does where a launcher can tell:
 - stdin, stdout and stderr are relayed: when the caller closes stdin, or this
   process dies, the command sees EOF on its stdin (and a broken pipe on write),
   as it would when an ssh connection goes away.
-- An unknown host exits 255 at once; a host whose link is cut exits 255 after
-  the connect timeout, both with ssh's message. The exit status is the
+- An unknown host exits 255 at once; when the link of the target host or of
+  the host this runs on is cut, it exits 255 after the connect timeout, both
+  with ssh's message. The exit status is the
   command's own, or 255 when a signal ended it.
 """
 
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 
 SSH_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # what sshd gives (Debian)
 _WITH_VALUE = set("BbcDEeFIiJLlmOopQRSWw")  # ssh options that take an argument
@@ -107,6 +109,19 @@ def _environment(entry: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def _unreachable(target: dict[str, str], hosts: Iterable[dict[str, str]]) -> bool:
+    """Whether the link of the target host, or of the simulated host this runs on, is cut (a host
+    reaches itself regardless, as its own address is local)."""
+    try:
+        here = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        here = None
+    if here == target["net"]:
+        return False
+    source = next((h for h in hosts if h["net"] == here), None)
+    return any(os.path.exists(h["cut_marker"]) for h in (target, source) if h is not None)
+
+
 def run(config: dict[str, object], args: list[str]) -> int:
     """Run one ssh-style command line on its simulated host; returns the exit status ssh would."""
     opts, host, words = parse(args)
@@ -121,7 +136,7 @@ def run(config: dict[str, object], args: list[str]) -> int:
     if not words:
         print(f"ssh: {host}: this stand-in runs commands only (no login shell); give a command", file=sys.stderr)
         return 255
-    if os.path.exists(entry["cut_marker"]):
+    if _unreachable(entry, hosts.values()):
         time.sleep(_connect_timeout(opts))
         print(f"ssh: connect to host {host} port 22: Connection timed out", file=sys.stderr)
         return 255
