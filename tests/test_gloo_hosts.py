@@ -226,6 +226,65 @@ def test_killing_the_driver_leaves_no_process_on_any_host(hosts: SimulatedHosts,
     assert left == {}, f"left after {took:.1f} s: {left}"
 
 
+@requires_hosts
+def test_sigterm_to_the_driver_stops_every_rank_on_every_host_with_143(hosts: SimulatedHosts, job: Path) -> None:
+    proc = driver(hosts, "h0:1,h1:1,h2:1", job, "--sleep", "60")
+    try:
+        assert proc.stdout is not None
+        lines_until(proc.stdout, "RESULT", 3, JOB_TIMEOUT)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=JOB_TIMEOUT)
+        took = time.monotonic() - start
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert took < LEFT_BOUND, f"the driver took {took:.1f} s to stop after SIGTERM"
+    assert "stopped every rank after SIGTERM" in err, err
+    assert no_process_left(hosts)[0] == {}
+
+
+@requires_hosts
+def test_a_host_cut_off_ends_both_nnodes_launchers_through_timeouts(hosts: SimulatedHosts, tmp_path: Path) -> None:
+    """torchrun's convention has no driver: each launcher must end once its ranks time out on their own."""
+    loop = tmp_path / "loop.py"
+    loop.write_text(textwrap.dedent("""
+        import sys, time
+        import numpy as np
+        import phalanx
+
+        phalanx.init()
+        sys.stdout.write(f"RESULT rank={phalanx.rank()}\\n")
+        sys.stdout.flush()
+        while True:
+            phalanx.allreduce(np.ones(1000))
+            time.sleep(0.01)
+    """))
+    secret, port, timeout = os.urandom(32).hex(), random.randrange(20000, 32000), 5
+    procs = [hosts.popen(i, [sys.executable, "-m", "phalanx", "run", "--nnodes", "2", "--node-rank", str(i),
+                             "--master", f"h0:{port}", "-n", "1", "--backend", "gloo", "--timeout", str(timeout),
+                             str(loop)], env=dict(os.environ, PHALANX_SECRET=secret), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            lines_until(proc.stdout, "RESULT", 1, JOB_TIMEOUT)
+        hosts.cut(1)
+        start = time.monotonic()
+        errs = [proc.communicate(timeout=JOB_TIMEOUT)[1] for proc in procs]
+        took = time.monotonic() - start
+    finally:
+        hosts.heal(1)
+        for proc in procs:
+            proc.kill()
+    bound = timeout + 10  # the collective's timeout, its diagnosis, then the launcher's grace
+    assert [p.returncode for p in procs] == [1, 1], errs
+    assert took < bound, f"the launchers took {took:.1f} s to end after the cut (bound {bound} s)"
+    for rank, err in enumerate(errs):
+        assert f"phalanx run: rank {rank} failed first" in err and "CollectiveTimeoutError" in err, err
+    assert no_process_left(hosts)[0] == {}
+
+
 def test_nnodes_without_a_secret_is_refused(job: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PHALANX_SECRET"}
     out = subprocess.run([sys.executable, "-m", "phalanx", "run", "--nnodes", "2", "--node-rank", "1", "--master",
