@@ -214,6 +214,24 @@ def test_mpich_job_across_two_hosts_moves_its_data_over_the_network(hosts: Simul
     assert sent >= 8 << 20, f"h1 sent {sent} bytes on eth0 for an allreduce of 8 MiB: shared memory, not network"
 
 
+OMPI = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-ompi", "bin")
+
+
+@requires_hosts
+def test_open_mpi_job_across_two_hosts_starts_through_the_rsh_agent(hosts: SimulatedHosts) -> None:
+    if not os.path.exists(os.path.join(OMPI, "mpiexec")) or not os.path.exists(os.path.join(OMPI, "python")):
+        pytest.skip(f"needs an Open MPI environment with mpi4py at {os.path.dirname(OMPI)}")
+    tx = "cat /sys/class/net/eth0/statistics/tx_bytes"
+    before = int(on(hosts, 1, tx))
+    done = hosts.run(0, [os.path.join(OMPI, "mpiexec"), "--allow-run-as-root", "--mca", "plm_rsh_agent", hosts.rsh,
+                         "--host", "h0:1,h1:1", "-n", "2", os.path.join(OMPI, "python"), "-c", ALLREDUCE],
+                     **{**RUN, "timeout": 60})
+    sent = int(on(hosts, 1, tx)) - before
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout == "h0 h1 2.0 2.0\n"
+    assert sent >= 8 << 20, f"h1 sent {sent} bytes on eth0 for an allreduce of 8 MiB: shared memory, not network"
+
+
 # -- faults ----------------------------------------------------------------------------------------
 
 @requires_hosts
