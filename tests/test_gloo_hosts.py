@@ -212,6 +212,23 @@ def test_a_rank_raising_on_host_1_ends_every_rank_on_every_host(hosts: Simulated
 
 
 @requires_hosts
+def test_a_host_whose_processes_are_all_killed_ends_the_job_on_every_host(hosts: SimulatedHosts, job: Path) -> None:
+    proc = driver(hosts, "h0:1,h1:1,h2:1", job, "--sleep", "60")
+    try:
+        assert proc.stdout is not None
+        lines_until(proc.stdout, "RESULT", 3, JOB_TIMEOUT)
+        hosts.kill(1)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=JOB_TIMEOUT)
+        took = time.monotonic() - start
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and took < LEFT_BOUND, (proc.returncode, took, err)
+    assert "phalanx run: host h1 failed first" in err and "without a report" in err, err
+    assert no_process_left(hosts)[0] == {}
+
+
+@requires_hosts
 def test_killing_the_driver_leaves_no_process_on_any_host(hosts: SimulatedHosts, job: Path) -> None:
     proc = driver(hosts, "h0:1,h1:1,h2:1", job, "--sleep", "60")
     try:

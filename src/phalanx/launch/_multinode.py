@@ -77,6 +77,7 @@ class _Remote:
     code: int | None = None
     ended: float | None = None  # time.time() when the driver saw it exit
     outcome: dict[str, Any] | None = None
+    started: bool = False  # it has spoken to the driver (so the rsh did start it)
     tail: list[str] = field(default_factory=list)  # its last stderr lines (a launcher that could not start)
     readers: list[threading.Thread] = field(default_factory=list)
 
@@ -186,6 +187,7 @@ def _relay(remote: _Remote, messages: queue.Queue[tuple[_Remote, dict[str, Any]]
         for line in stream:
             text = line.decode(errors="replace")
             if text.startswith(MARK):
+                remote.started = True
                 with contextlib.suppress(ValueError):
                     messages.put((remote, json.loads(text[len(MARK):])))
                 continue
@@ -326,10 +328,16 @@ def _report(remotes: list[_Remote], start: float) -> int:
         if outcome.get("rank") is not None:
             lines = [f"phalanx run: rank {outcome['rank']} on host {first.host} failed first{after}: {what} "
                      f"(host {first.host}'s report above has the details)."]
-        else:
-            said = f": {first.tail[-1]}" if first.tail else ""
+        elif outcome.get("message"):  # the per-host launcher refused the job (LaunchError)
+            lines = [f"phalanx run: host {first.host} could not start its ranks: {outcome['message']}"]
+        elif first.started:
             lines = [f"phalanx run: host {first.host} failed first{after}: its launcher ended with "
-                     f"{_status(first.code)} without naming a rank (host or connection lost?){said}"]
+                     f"{_status(first.code)} without a report: the host, its processes or the connection to "
+                     "it were lost."]
+        else:  # the rsh could not start it: its own message says why
+            said = f": {first.tail[-1]}" if first.tail else ""
+            lines = [f"phalanx run: host {first.host} failed first{after}: the launcher could not be started "
+                     f"there ({_status(first.code)}){said}"]
     others = [_summary(r) for r in remotes if r is not first]
     if others:
         lines.append(f"(other hosts: {'; '.join(others)}; every rank on every host was stopped)")
@@ -345,7 +353,7 @@ def _summary(remote: _Remote) -> str:
         how = f"raised {outcome['type']}" if outcome.get("type") else outcome.get("message", "failed")
         return f"{remote.host} rank {outcome['rank']} {how}"
     if outcome.get("stopped"):
-        return f"{remote.host}'s ranks stopped"
+        return f"{remote.host} stopped by the driver"
     return f"{remote.host} {_status(remote.code)}"
 
 

@@ -13,8 +13,9 @@ a command line (which every user of the host can read with ``ps``):
 * **EOF on stdin**: the driver died or its connection closed: every rank here is
   stopped at once. This is how no process outlives a job on a remote host;
 * on stderr, besides the ranks' output and this launcher's report, lines starting
-  with ``@phalanx-remote`` carry JSON for the driver: node 0's chosen master, and
-  every launcher's outcome (the first failing rank, its exception, when).
+  with ``@phalanx-remote`` carry JSON for the driver: node 0's chosen master, that
+  the ranks are starting, and every launcher's outcome (the first failing rank, its
+  exception, when).
 
 Exit status: as ``phalanx run`` on one host; 1 when the driver went away.
 """
@@ -112,11 +113,13 @@ def serve(config: dict[str, Any], stdin: _Stdin) -> int:
     else:
         if master_text == "wait":
             message = stdin.line()
-            if message is None:
-                return 1  # the driver went away before the job started
+            if message is None:  # the driver went away before the job started
+                tell(outcome=asdict(Outcome(stopped=LOST)), code=1)
+                return 1
             master_text = message["master"]
         master = parse_master(master_text)
     stdin.follow()
+    tell(started=True)
     placement = rank_placement(job, config["ranks"], config["world_size"], master, config["secret"],
                                config["nnodes"], config["node_rank"])
     job_dir = tempfile.mkdtemp(prefix="phalanx-job-")
@@ -160,8 +163,7 @@ def main() -> int:
         if config is None:
             return 1
         return serve(config, stdin)
-    except LaunchError as exc:
-        sys.stderr.write(f"{exc}\n")
+    except LaunchError as exc:  # the driver prints it, naming this host
         tell(outcome=asdict(Outcome(message=str(exc))), code=2)
         return 2
     except KeyboardInterrupt:
