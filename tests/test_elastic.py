@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -151,16 +152,17 @@ def test_ctrl_c_to_the_launcher_is_not_followed_by_a_restart(tmp_path, backend: 
 
 # -- simulated hosts: a host of three is lost during fit -------------------------------------------------
 
-@requires_hosts
-@pytest.mark.parametrize("loss", ["power-off", "cut"])
-@pytest.mark.parametrize("backend", _backends("mpi", "gloo"))
-def test_a_lost_host_is_left_out_and_the_job_ends_equal_to_one_process(tmp_path, backend: str, loss: str) -> None:
+def _lose_host(tmp_path: Any, backend: str, loss: str, min_ranks: int) -> tuple[int | None, str]:
+    """Start a 3-host job (one rank each) that resumes with --max-restarts 1; when rank 2 (on h2) is in
+    step 4 of attempt 0, lose h2 (``power-off``: its processes killed and its link down; ``cut``: the link
+    only). The launcher's exit status and output; the times are printed."""
     from phalanx.testing import simulated_hosts
 
     os.chmod(tmp_path, 0o777)
     with simulated_hosts(3) as hosts:
         cmd = [*PHALANX, "run", "--hosts", "h0:1,h1:1,h2:1", "--rsh", hosts.rsh, "--backend", backend,
-               "--timeout", "10", "--max-restarts", "1", "--min-ranks", "2", SCRIPT, str(tmp_path), "wait", "2", "4"]
+               "--timeout", "10", "--max-restarts", "1", "--min-ranks", str(min_ranks), SCRIPT, str(tmp_path),
+               "wait", "2", "4"]
         start = time.monotonic()
         proc = hosts.popen(0, cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -178,11 +180,32 @@ def test_a_lost_host_is_left_out_and_the_job_ends_equal_to_one_process(tmp_path,
             if proc.poll() is None:
                 proc.kill()
                 out, _ = proc.communicate()
-    print(f"\n{backend}/{loss}: host lost after {lost_at - start:.1f} s; job ended {time.monotonic() - lost_at:.1f} s "
-          "later")
-    assert proc.returncode == 0, out
+    print(f"\n{backend}/{loss}: host lost after {lost_at - start:.1f} s; the launcher ended "
+          f"{time.monotonic() - lost_at:.1f} s later")
+    print("\n".join(line for line in out.splitlines() if line.startswith(("phalanx run: restart",
+                                                                          "phalanx run: not restarting"))))
+    return proc.returncode, out
+
+
+@requires_hosts
+@pytest.mark.parametrize("loss", ["power-off", "cut"])
+@pytest.mark.parametrize("backend", _backends("mpi", "gloo"))
+def test_a_lost_host_is_left_out_and_the_job_ends_equal_to_one_process(tmp_path, backend: str, loss: str) -> None:
+    code, out = _lose_host(tmp_path, backend, loss, min_ranks=2)
+    assert code == 0, out
     assert "host h2 is lost" in out and "the new world: 2 ranks on h0:1,h1:1." in out, out
     result = json.load(open(tmp_path / "result.json"))
     print(f"{backend}/{loss}: max |diff| from one process {result['max_abs_diff']:.3g}")
     assert result["attempt"] == "1" and result["size"] == 2 and result["steps"] == bodies.STEPS, result
     assert result["max_abs_diff"] < bodies.TOL, result
+
+
+@requires_hosts
+@pytest.mark.parametrize("backend", _backends("gloo"))
+def test_fewer_ranks_left_than_min_ranks_end_the_job_with_the_reason(tmp_path, backend: str) -> None:
+    code, out = _lose_host(tmp_path, backend, "power-off", min_ranks=3)
+    assert code not in (0, None), out
+    assert "not restarting after attempt 0 failed (exit status" in out, out
+    assert ("host h2 is lost" in out and "the hosts that answer (h0:1,h1:1) hold 2 ranks, fewer than "
+            "--min-ranks 3") in out, out
+    assert not (tmp_path / "result.json").exists()

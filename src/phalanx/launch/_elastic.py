@@ -52,6 +52,10 @@ def check_elastic(job: Launch) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise LaunchError(f"phalanx run --max-restarts {k!r}: give a whole number of restarts, 0 or more "
                           "(e.g. --max-restarts 3).")
+    if k and (getattr(job, "nnodes", 1) > 1 or getattr(job, "node_rank", 0) or getattr(job, "master", None)):
+        raise LaunchError(f"phalanx run --nnodes/--node-rank/--master with --max-restarts {k}: a restart needs the "
+                          "one command that starts every host; use --hosts (or --hostfile) with --max-restarts, "
+                          "or restart the per-host commands from outside (e.g. Slurm's --requeue).")
     m = job.min_ranks
     if m is None:
         return
