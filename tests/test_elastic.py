@@ -155,7 +155,8 @@ def test_ctrl_c_to_the_launcher_is_not_followed_by_a_restart(tmp_path, backend: 
 def _lose_host(tmp_path: Any, backend: str, loss: str, min_ranks: int) -> tuple[int | None, str]:
     """Start a 3-host job (one rank each) that resumes with --max-restarts 1; when rank 2 (on h2) is in
     step 4 of attempt 0, lose h2 (``power-off``: its processes killed and its link down; ``cut``: the link
-    only). The launcher's exit status and output; the times are printed."""
+    only; ``processes-killed``: its processes only). The launcher's exit status and output; the times are
+    printed."""
     from phalanx.testing import simulated_hosts
 
     os.chmod(tmp_path, 0o777)
@@ -172,9 +173,10 @@ def _lose_host(tmp_path: Any, backend: str, loss: str, min_ranks: int) -> tuple[
                 assert proc.poll() is None and time.monotonic() < deadline, "rank 2 never reached step 4"
                 time.sleep(0.1)
             lost_at = time.monotonic()
-            if loss == "power-off":
+            if loss in ("power-off", "processes-killed"):
                 hosts.kill(2)
-            hosts.cut(2)
+            if loss in ("power-off", "cut"):
+                hosts.cut(2)
             out, _ = proc.communicate(timeout=240)
         finally:
             if proc.poll() is None:
@@ -198,6 +200,20 @@ def test_a_lost_host_is_left_out_and_the_job_ends_equal_to_one_process(tmp_path,
     print(f"{backend}/{loss}: max |diff| from one process {result['max_abs_diff']:.3g}")
     assert result["attempt"] == "1" and result["size"] == 2 and result["steps"] == bodies.STEPS, result
     assert result["max_abs_diff"] < bodies.TOL, result
+    attempts = _attempts(str(tmp_path))
+    assert [a[:2] for a in attempts] == [["0", "3"], ["1", "2"]], attempts
+    if backend == "gloo":
+        assert attempts[0][2] != attempts[1][2], f"the restart reused the rendezvous port: {attempts}"
+
+
+@requires_hosts
+@pytest.mark.parametrize("backend", _backends("gloo"))
+def test_a_host_whose_processes_died_but_answers_is_used_again(tmp_path, backend: str) -> None:
+    code, out = _lose_host(tmp_path, backend, "processes-killed", min_ranks=2)
+    assert code == 0, out
+    assert "is lost" not in out and "the new world: 3 ranks on h0:1,h1:1,h2:1." in out, out
+    result = json.load(open(tmp_path / "result.json"))
+    assert result["attempt"] == "1" and result["size"] == 3 and result["max_abs_diff"] < bodies.TOL, result
 
 
 @requires_hosts
