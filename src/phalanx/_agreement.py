@@ -125,7 +125,7 @@ def timeout_error(backend: Backend, call: str, index: int, timeout: float) -> Co
              f"{timeout:g} s waiting for the other ranks{note}."]
     if missing:
         parts.append(f"Ranks that never reached a phalanx call: {missing} (stuck computing, "
-                     "waiting in non-phalanx code, or finished early).")
+                     "waiting in non-phalanx code, finished early, or cut off: a lost host or link).")
     for r, place in sorted(elsewhere.items()):
         parts.append(f"Rank {r} is waiting in {place} instead.")
     parts.append("Every rank must make the same collective calls in the same order. If the wait "

@@ -7,9 +7,24 @@ Design notes (why, not what):
 * The per-call agreement is a non-blocking ``MAX`` allreduce of
   ``[sig, -sig]`` (two int64s): equal signatures everywhere iff the result is
   ``[sig, -sig]`` on every rank. It is polled, so it doubles as the timeout
-  for "has every rank reached this call". Once it passed, every rank is in the
-  same call with the same buffer, so the data phase uses MPI's blocking
-  primitive, which is as fast as raw mpi4py.
+  for "has every rank reached this call".
+* The data phase is bounded too: every data method posts MPI's non-blocking
+  collective and polls it with the same deadline (:func:`._wait.poll`: a
+  pure ``Test`` spin for 2 ms, then yielding the core between tests). A
+  peer that passed the agreement and then stopped answering (a cut link, a
+  dead host) is a ``CollectiveTimeoutError`` naming the call, not a hang in
+  a blocking ``MPI_Allreduce`` that no timeout can interrupt; the world is
+  then broken and the rank ends with ``MPI_Abort``. A blocking call below
+  some size would not be safe: a peer can vanish between the agreement and
+  the data phase of any call, and in a loop of small calls that gap is half
+  the time. Measured (``benchmarks/README.md``, "Bounded data phase"): the
+  non-blocking call plus the spin costs nothing measurable against the
+  blocking call, at 8 B, 64 KiB and 16 MiB, 2 and 3 ranks. The requests
+  and buffers of a data phase that timed out are kept (``_abandoned``):
+  MPI may write into them until the process ends.
+* An MPI error raised by a data phase (the transport saw a peer's
+  connection close) is ``PeerLost``, so it reaches users as
+  ``RankFailedError`` naming the call.
 * MPI has no bfloat16 and float16 reductions are not portable, so half
   precision is reduced in float32 (exact for min/max, and one rounding at the
   end for sum/prod/avg) and moved as raw 16-bit words.
@@ -23,6 +38,7 @@ from __future__ import annotations
 import array
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -32,7 +48,8 @@ import numpy as np
 
 from .._arrays import NATIVE_NUMPY_DTYPES
 from . import _halfsum
-from ._mpilib import check_launcher_agrees, detect_gpu_aware, import_mpi, mpi_available
+from ._base import PeerLost, WaitTimeout
+from ._mpilib import MPIRequest, check_launcher_agrees, detect_gpu_aware, import_mpi, mpi_available
 from ._wait import poll
 
 __all__ = ["MPIBackend", "detect_gpu_aware", "mpi_available"]
@@ -48,34 +65,6 @@ def _torch() -> Any:
 
 def _is_torch(x: Any) -> bool:
     return not isinstance(x, np.ndarray)
-
-
-class _Request:
-    """An MPI request plus what turns its buffers into the user's result."""
-
-    __slots__ = ("_req", "_finish", "_done", "_result")
-
-    def __init__(self, req: Any, finish: Callable[[], Any]) -> None:
-        self._req = req
-        self._finish = finish
-        self._done = False
-        self._result: Any = None
-
-    def test(self) -> bool:
-        if not self._done and self._req.Test():
-            self._complete()
-        return self._done
-
-    def wait(self, timeout: float) -> Any:
-        if not self._done:
-            poll(self._req.Test, timeout, patient=False)
-            self._complete()
-        return self._result
-
-    def _complete(self) -> None:
-        self._result = self._finish()
-        self._done = True
-        self._finish = None  # type: ignore[assignment]  # drop buffer references
 
 
 class MPIBackend:
@@ -103,6 +92,7 @@ class MPIBackend:
         self._in_place = MPI.IN_PLACE
         self._chk = array.array("q", [0, 0])
         self._chk_out = array.array("q", [0, 0])
+        self._abandoned: list[tuple[Any, tuple[Any, ...]]] = []  # timed-out data phases (module notes)
         # A persistent collective (MPI-4) skips argument parsing on every call: ~1 us instead of ~2.5.
         try:
             self._agreement: Any = self.comm.Allreduce_init(self._chk, self._chk_out, MPI.MAX)
@@ -201,11 +191,11 @@ class MPIBackend:
             poll(req.Test, timeout)
         return out[0] == signature and out[1] == -signature
 
-    def iagree(self, signature: int) -> _Request:
+    def iagree(self, signature: int) -> MPIRequest:
         chk = np.array([signature, -signature], np.int64)
         out = np.empty(2, np.int64)
         req = self.comm.Iallreduce(chk, out, self.MPI.MAX)
-        return _Request(req, lambda: bool(out[0] == chk[0] and out[1] == chk[1]))
+        return MPIRequest(req, lambda: bool(out[0] == chk[0] and out[1] == chk[1]), self.MPI.Exception)
 
     def allgather_bytes(self, payload: bytes, timeout: float) -> list[bytes]:
         sizes = np.empty(self.size, np.int64)
@@ -248,16 +238,36 @@ class MPIBackend:
         return missing, elsewhere
 
     # -- data -----------------------------------------------------------------
+    def _finish(self, req: Any, timeout: float, *buffers: Any) -> None:
+        """Complete a data phase within ``timeout`` s (WaitTimeout/PeerLost otherwise; module notes)."""
+        try:
+            if not req.Test():
+                self._wait(req, timeout, *buffers)
+        except self.MPI.Exception as exc:
+            raise PeerLost(str(exc)) from exc
+
+    def _wait(self, req: Any, timeout: float, *buffers: Any) -> None:
+        try:
+            poll(req.Test, timeout, patient=False)
+        except WaitTimeout:
+            self._abandoned.append((req, buffers))  # MPI may still write into them: keep them alive
+            raise
+
     def allreduce(self, x: Any, op: str, inplace: bool, timeout: float) -> Any:
         if inplace and type(x) is np.ndarray and x.dtype in NATIVE_NUMPY_DTYPES:  # the hot path
-            self.comm.Allreduce(self._in_place, x, self._ops[op])
+            try:
+                req = self.comm.Iallreduce(self._in_place, x, self._ops[op])
+                if not req.Test():
+                    self._wait(req, timeout, x)
+            except self.MPI.Exception as exc:
+                raise PeerLost(str(exc)) from exc
             if op == "avg":
                 x /= self.size
             return x
         if _halfsum.eligible(x, op, self.size):  # 16-bit floats travel as 16 bits
             return _halfsum.HalfSum(self.comm, self.size, x, op, inplace).wait(timeout)
         work, finish = self._reduction_work(x, inplace)
-        self.comm.Allreduce(self._in_place, work, self._mpi_op(work, op))
+        self._finish(self.comm.Iallreduce(self._in_place, work, self._mpi_op(work, op)), timeout, work)
         if op == "avg":
             work /= self.size
         return finish(work)
@@ -273,7 +283,7 @@ class MPIBackend:
                 work.__itruediv__(self.size)
             return finish(work)
 
-        return _Request(req, complete)
+        return MPIRequest(req, complete, self.MPI.Exception)
 
     def _bcast_buffer(self, x: Any, inplace: bool) -> tuple[Any, Any]:
         """(user-typed result, its MPI view) for a broadcast into ``x``."""
@@ -286,13 +296,13 @@ class MPIBackend:
 
     def broadcast(self, x: Any, root: int, inplace: bool, timeout: float) -> Any:
         out, view = self._bcast_buffer(x, inplace)
-        self.comm.Bcast(view, root)
+        self._finish(self.comm.Ibcast(view, root), timeout, view)
         return self._copy_back(x, out)
 
-    def ibroadcast(self, x: Any, root: int, inplace: bool) -> _Request:
+    def ibroadcast(self, x: Any, root: int, inplace: bool) -> MPIRequest:
         out, view = self._bcast_buffer(x, inplace)
         req = self.comm.Ibcast(view, root)
-        return _Request(req, lambda: self._copy_back(x, out))
+        return MPIRequest(req, lambda: self._copy_back(x, out), self.MPI.Exception)
 
     def _copy_back(self, x: Any, out: Any) -> Any:
         if out is not x and _is_torch(x) and x.is_cuda:
@@ -303,10 +313,10 @@ class MPIBackend:
     def reduce(self, x: Any, op: str, root: int, inplace: bool, timeout: float) -> Any:
         if self.rank != root:
             work = self._reduction_work(x, inplace=True)[0]  # a send buffer; x is not written
-            self.comm.Reduce(work, None, self._mpi_op(work, op), root)
+            self._finish(self.comm.Ireduce(work, None, self._mpi_op(work, op), root), timeout, work)
             return x
         work, finish = self._reduction_work(x, inplace)
-        self.comm.Reduce(self.MPI.IN_PLACE, work, self._mpi_op(work, op), root)
+        self._finish(self.comm.Ireduce(self._in_place, work, self._mpi_op(work, op), root), timeout, work)
         if op == "avg":
             work /= self.size
         return finish(work)
@@ -318,29 +328,32 @@ class MPIBackend:
 
     def allgather(self, x: Any, timeout: float) -> Any:
         out, view = self._new_like(x, (self.size, *x.shape))
-        self.comm.Allgather(self._as_send(x), view)
+        send = self._as_send(x)
+        self._finish(self.comm.Iallgather(send, view), timeout, send, view)
         return self._device_out(x, out)
 
     def gather(self, x: Any, root: int, timeout: float) -> Any:
+        send = self._as_send(x)
         if self.rank != root:
-            self.comm.Gather(self._as_send(x), None, root)
+            self._finish(self.comm.Igather(send, None, root), timeout, send)
             return None
         out, view = self._new_like(x, (self.size, *x.shape))
-        self.comm.Gather(self._as_send(x), view, root)
+        self._finish(self.comm.Igather(send, view, root), timeout, send, view)
         return self._device_out(x, out)
 
     def reduce_scatter(self, x: Any, op: str, timeout: float) -> Any:
         shape = (x.shape[0] // self.size, *x.shape[1:])
         work = self._reduction_work(x, inplace=True)[0]  # a send buffer; x is not written
         recv = np.empty(shape, work.dtype) if isinstance(work, np.ndarray) else work.new_empty(shape)
-        self.comm.Reduce_scatter_block(work, recv, self._mpi_op(work, op))
+        self._finish(self.comm.Ireduce_scatter_block(work, recv, self._mpi_op(work, op)), timeout, work, recv)
         if op == "avg":
             recv /= self.size
         return _to_user(x, recv)
 
     def alltoall(self, x: Any, timeout: float) -> Any:
         out, view = self._new_like(x, tuple(x.shape))
-        self.comm.Alltoall(self._as_send(x), view)
+        send = self._as_send(x)
+        self._finish(self.comm.Ialltoall(send, view), timeout, send, view)
         return self._device_out(x, out)
 
     def barrier(self, timeout: float) -> None:
@@ -358,7 +371,20 @@ class MPIBackend:
                 pass
 
     def abort(self, code: int) -> None:
+        """End the job with ``MPI_Abort(code)``, then this process (without ``MPI_Finalize``).
+
+        MPICH's ``MPI_Abort`` returns once it has told its launcher, which then kills
+        the ranks; a launcher that cannot be reached (a cut link) never does, and
+        mpi4py's ``MPI_Finalize`` at exit would wait for the lost peers forever.
+        """
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        setter = getattr(self.MPI, "_set_abort_status", None)
+        if setter is not None:
+            setter(code)  # should anything still run Python's exit: mpi4py aborts instead of finalizing
         self.MPI.COMM_WORLD.Abort(code)
+        os._exit(code)
 
 
 def _identity(w: Any) -> Any:

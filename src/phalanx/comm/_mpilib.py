@@ -1,4 +1,5 @@
-"""Loading MPI for the ``mpi`` backend, and what phalanx asks the library before using it.
+"""Loading MPI for the ``mpi`` backend, what phalanx asks the library before using it, and the
+request object of its non-blocking calls.
 
 mpi4py is imported only here and only when a backend is made (``import phalanx``
 stays light); a missing or broken MPI is a :class:`BackendUnavailableError`
@@ -9,11 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 from typing import Any
 
 from .._errors import BackendUnavailableError
+from ._base import PeerLost
+from ._wait import poll
 
-__all__ = ["check_launcher_agrees", "detect_gpu_aware", "import_mpi", "mpi_available"]
+__all__ = ["MPIRequest", "check_launcher_agrees", "detect_gpu_aware", "import_mpi", "mpi_available"]
 
 
 def mpi_available() -> bool:
@@ -80,3 +84,38 @@ def check_launcher_agrees(size: int) -> None:
                 "implementations (e.g. Open MPI's mpiexec with MPICH's libmpi). Use the mpiexec "
                 "that matches mpi4py (`phalanx run` picks it), or rebuild mpi4py against your MPI."
             )
+
+
+class MPIRequest:
+    """An MPI request plus what turns its buffers into the user's result (an MPI error is PeerLost)."""
+
+    __slots__ = ("_req", "_finish", "_done", "_result", "_errors")
+
+    def __init__(self, req: Any, finish: Callable[[], Any], errors: type[Exception]) -> None:
+        self._req = req
+        self._finish = finish
+        self._done = False
+        self._result: Any = None
+        self._errors = errors  # mpi4py's MPI.Exception
+
+    def test(self) -> bool:
+        try:
+            if not self._done and self._req.Test():
+                self._complete()
+        except self._errors as exc:
+            raise PeerLost(str(exc)) from exc
+        return self._done
+
+    def wait(self, timeout: float) -> Any:
+        if not self._done:
+            try:
+                poll(self._req.Test, timeout, patient=False)
+            except self._errors as exc:
+                raise PeerLost(str(exc)) from exc
+            self._complete()
+        return self._result
+
+    def _complete(self) -> None:
+        self._result = self._finish()
+        self._done = True
+        self._finish = None  # type: ignore[assignment]  # drop buffer references

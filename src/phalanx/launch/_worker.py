@@ -118,6 +118,7 @@ def fail(exc: BaseException) -> None:
         sys.stderr.flush()
         sys.stdout.flush()
         if mpi is not None:
+            _abort_at_exit(1)  # MPICH's MPI_Abort returns: at exit abort again, never MPI_Finalize (lost peers)
             mpi.COMM_WORLD.Abort(1)
     # Exit normally (atexit handlers flush the user's files). Should exit hang, waiting for peers that
     # will never come, the launcher stops this rank: it has seen the failure record.
