@@ -84,13 +84,18 @@ def _attempts(directory: str, rank: int = 0) -> list[list[str]]:
 @pytest.mark.parametrize("backend", _backends("mpi", "gloo"))
 def test_a_rank_that_fails_once_is_restarted_and_the_job_ends_equal_to_one_process(tmp_path, backend: str,
                                                                                    mode: str) -> None:
-    code, out, elapsed = _run(["-n", "3", "--backend", backend, "--max-restarts", "2", SCRIPT, str(tmp_path),
-                               mode, "1", "4"], timeout=180)
+    logs = tmp_path / "logs"
+    code, out, elapsed = _run(["-n", "3", "--backend", backend, "--max-restarts", "2", "--log-dir", str(logs),
+                               SCRIPT, str(tmp_path), mode, "1", "4"], timeout=180)
     print(f"\n{backend}/{mode}: job with one restart took {elapsed:.1f} s")
     assert code == 0, out
     assert "phalanx run: rank 1 failed first" in out, out
     assert "restart 1 of 2 (PHALANX_RESTART_COUNT=1): attempt 0 failed with exit status" in out, out
-    assert "the new world: 3 ranks on this host." in out, out
+    assert f"(its logs: {logs / 'attempt-0'}); the new world: 3 ranks on this host." in out, out
+    assert sorted(os.listdir(logs / "attempt-0")) == ["rank.0.log", "rank.1.log", "rank.2.log"]
+    assert (logs / "rank.0.log").exists()  # the last attempt's
+    if mode == "raise":
+        assert "injected failure on rank 1 at step 4 (attempt 0)" in (logs / "attempt-0" / "rank.1.log").read_text()
     result = json.load(open(tmp_path / "result.json"))
     print(f"{backend}/{mode}: max |diff| from one process {result['max_abs_diff']:.3g}")
     assert result["attempt"] == "1" and result["size"] == 3 and result["steps"] == bodies.STEPS, result

@@ -90,11 +90,27 @@ def run_elastic(job: Launch, signals: Signals, attempt: Callable[[Launch, Signal
         if following is None:
             notice(f"not restarting after attempt {count} failed (exit status {code}): {lost}")
             return code
+        kept = _keep_logs(job.log_dir, count)
         notice(f"restart {count + 1} of {job.max_restarts} ({RESTART_COUNT}={count + 1}): attempt {count} "
-               f"failed with exit status {code}{'; ' + lost if lost else ''}; the new world: "
+               f"failed with exit status {code}{'; ' + lost if lost else ''}{kept}; the new world: "
                f"{describe_world(following)}.")
         current = following
     return code  # not reached: the loop returns
+
+
+def _keep_logs(log_dir: str | None, count: int) -> str:
+    """Move the failed attempt's ``rank.<r>.log`` files to ``log_dir/attempt-<count>/`` (the next attempt
+    would overwrite them); returns a note saying where, or ``""``."""
+    if log_dir is None or not os.path.isdir(log_dir):
+        return ""
+    kept = os.path.join(log_dir, f"attempt-{count}")
+    moved = False
+    for name in sorted(os.listdir(log_dir)):
+        if name.startswith("rank.") and name.endswith(".log"):
+            os.makedirs(kept, exist_ok=True)
+            os.replace(os.path.join(log_dir, name), os.path.join(kept, name))
+            moved = True
+    return f" (its logs: {kept})" if moved else ""
 
 
 def describe_world(job: Launch) -> str:
