@@ -30,6 +30,9 @@ import pytest
 
 from conftest import AVAILABLE
 from helpers import requires_hosts
+from phalanx import LaunchError
+from phalanx.launch import Launch, launch
+from phalanx.launch._nodes import parse_master
 from phalanx.testing import SimulatedHosts, simulated_hosts
 
 pytestmark = pytest.mark.skipif("gloo" not in AVAILABLE, reason="no gloo backend here (torch.distributed)")
@@ -311,3 +314,27 @@ def test_nnodes_without_a_secret_is_refused(job: Path) -> None:
     message = " ".join(out.stderr.split())
     assert "needs a secret" in message and "PHALANX_SECRET is not set" in message, message
     assert "secrets.token_hex(32)" in message and "--hosts" in message, message
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"backend": "mpi", "nnodes": 2, "master": "h0"}, "only for --backend gloo or nccl"),
+    ({"hosts": "localhost:1", "nnodes": 2, "master": "h0"}, "give either --hosts"),
+    ({"nnodes": 2, "node_rank": 2, "master": "h0"}, "0 <= node-rank < nnodes"),
+    ({"nnodes": 2}, "give --master HOST[:PORT]"),
+    ({"nnodes": 2, "master": "h0:70000"}, "not a number in 1..65535"),
+    ({"nnodes": 2, "master": "h0", "env_secret": "short"}, "it needs 16 or more"),
+    ({"nnodes": 2, "master": "h0", "secret_file": "/nonexistent/secret"}, "cannot read it"),
+], ids=["mpi", "with-hosts", "node-rank", "no-master", "bad-port", "short-secret", "no-secret-file"])
+def test_multi_node_settings_no_job_can_use_are_refused_before_anything_starts(
+        job: Path, monkeypatch: pytest.MonkeyPatch, settings: dict[str, object], message: str) -> None:
+    settings = dict(settings)
+    monkeypatch.setenv("PHALANX_SECRET", str(settings.pop("env_secret", "0123456789abcdef" * 4)))
+    settings.setdefault("backend", "gloo")
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        launch(Launch(n=1, target=[str(job)], **settings))  # type: ignore[arg-type]
+
+
+def test_master_takes_a_host_and_an_optional_port_like_torchrun() -> None:
+    assert parse_master("h0") == ("h0", 29500)
+    assert parse_master("10.0.0.1:1234") == ("10.0.0.1", 1234)
+    assert parse_master("[fd00::1]:1234") == ("fd00::1", 1234)

@@ -24,6 +24,7 @@ from ._elastic import check_elastic, run_elastic
 from ._job import Launch, Signals, notice, rank_env
 from ._mpiexec import run_mpi
 from ._multinode import torch_runner
+from ._nodes import check_nodes
 from ._procs import signal_name
 
 __all__ = ["launch"]
@@ -40,6 +41,7 @@ def _check(job: Launch) -> None:
     if job.backend not in BACKENDS:
         raise LaunchError(f"phalanx run --backend {job.backend!r}: unknown backend; use mpi, gloo or nccl.")
     job.resolve_settings()
+    check_nodes(job)
 
 
 def launch(job: Launch) -> int:

@@ -51,7 +51,7 @@ from typing import IO, Any
 from .._errors import LaunchError
 from .._net import is_local_address
 from ._job import GRACE, Launch, Signals
-from ._nodes import MARK, run_node
+from ._nodes import MARK, check_nodes, run_node
 from ._procs import child_setup, signal_name, stop_groups
 from ._report import ECHOES
 from ._spawn import run_spawn
@@ -105,13 +105,10 @@ def torch_runner(job: Launch) -> Runner:
     """How a gloo/nccl ``job`` runs: on its ``hosts`` (:func:`run_hosts`), as one of ``nnodes``
     launchers (:func:`._nodes.run_node`), or all here (:func:`._spawn.run_spawn`).
 
-    Raises :class:`LaunchError` when ``job`` asks for both conventions at once.
+    Raises :class:`LaunchError` for settings :func:`._nodes.check_nodes` refuses.
     """
+    check_nodes(job)
     if getattr(job, "hosts", None):
-        if job.nnodes != 1 or job.node_rank:
-            raise LaunchError(f"phalanx run --hosts with --nnodes {job.nnodes}/--node-rank {job.node_rank}: give "
-                              "either --hosts (one command starts every host) or --nnodes/--node-rank/--master "
-                              "(one command per host), not both.")
         return run_hosts
     if job.nnodes > 1 or job.master or job.node_rank:
         return run_node

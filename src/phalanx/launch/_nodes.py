@@ -33,7 +33,7 @@ from .._net import interface_of, is_local_address, is_loopback, route_source
 from ._job import Launch, Signals
 from ._spawn import Placement, run_spawn
 
-__all__ = ["DEFAULT_PORT", "MARK", "SECRET_HELP", "check_secret", "interface_to", "parse_master", "rank_placement",
+__all__ = ["DEFAULT_PORT", "MARK", "SECRET_HELP", "check_nodes", "check_secret", "interface_to", "parse_master", "rank_placement",
            "read_secret", "run_node"]
 
 DEFAULT_PORT = 29500  # torchrun's
@@ -128,10 +128,20 @@ def rank_placement(job: Launch, ranks: list[int], world_size: int, master: tuple
     return Placement(world_size=world_size, ranks=tuple(ranks), master_addr=host, master_port=port, env=extra)
 
 
-def _check_nodes(job: Launch) -> None:
-    if job.backend == "mpi":
+def check_nodes(job: Launch) -> None:
+    """Refuse multi-host settings no job can use: ``nnodes``/``node_rank``/``master`` with MPI or with
+    ``hosts``, a ``node_rank`` outside ``0..nnodes-1``, several nodes without a master.
+
+    Raises :class:`LaunchError` naming the flags and the fix.
+    """
+    nodes = job.nnodes != 1 or job.node_rank != 0 or job.master is not None
+    if nodes and job.backend == "mpi":
         raise LaunchError("phalanx run --nnodes/--node-rank/--master: only for --backend gloo or nccl; an MPI "
                           "job on several hosts is one `phalanx run --hosts h0:N,h1:N --backend mpi ...`.")
+    if (job.nnodes != 1 or job.node_rank != 0) and getattr(job, "hosts", None):
+        raise LaunchError(f"phalanx run --hosts with --nnodes {job.nnodes} --node-rank {job.node_rank}: give either "
+                          "--hosts (one command starts every host) or --nnodes/--node-rank/--master (one command "
+                          "per host), not both.")
     if job.nnodes < 1 or not 0 <= job.node_rank < job.nnodes:
         raise LaunchError(f"phalanx run --nnodes {job.nnodes} --node-rank {job.node_rank}: need nnodes >= 1 "
                           "and 0 <= node-rank < nnodes, e.g. --nnodes 2 --node-rank 0 on the first host and "
@@ -148,7 +158,7 @@ def run_node(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) -
     inconsistent ``nnodes``/``node_rank``/``master`` or when ``job.nnodes > 1`` and no secret is
     set (``PHALANX_SECRET`` or ``job.secret_file``).
     """
-    _check_nodes(job)
+    check_nodes(job)
     secret = read_secret(job.secret_file)
     if secret is None and job.nnodes > 1:
         raise LaunchError(f"phalanx run --nnodes {job.nnodes}: a job on several hosts needs a secret (rank 0's "
