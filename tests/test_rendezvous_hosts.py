@@ -196,6 +196,7 @@ def test_here_a_rank_with_another_secret_is_refused(tmp_path: Path) -> None:
     assert wrong is not None and "PHALANX_SECRET differs between ranks" in wrong["error"], job.stderr[1]
     assert wrong["after_s"] < 3 + 3, wrong  # the timeout, plus a margin
     assert verdict is not None and "missing: rank 1" in verdict["error"], job.stderr[0]
+    assert "refused 1 connection(s) without the job's secret" in verdict["error"], verdict
     assert REFUSAL + HERE + ":" in job.stderr[0]
 
 

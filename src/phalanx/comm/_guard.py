@@ -74,7 +74,10 @@ class _Link:
         self.inbox, self.hs_out = bytearray(), bytearray()
         self.to_a, self.to_b = bytearray(), bytearray()
         self.eof_a = self.eof_b = self.closed = False
-        self.deadline = time.monotonic() + (HANDSHAKE_S if guard.serving else guard.connect_s)
+        # A client's first connections may wait for rank 0 until the guard's own deadline
+        # (the rendezvous timeout); later ones (torch reconnecting) for a handshake's time.
+        self.deadline = time.monotonic() + HANDSHAKE_S if guard.serving else max(guard.until,
+                                                                                  time.monotonic() + HANDSHAKE_S)
         self.retry_at = 0.0
         self.tries = 0
         self.nc = self.expected = b""
@@ -121,7 +124,8 @@ class _Link:
         if self.state != "splice" and sock is hs:
             data = sock.recv(self.need - len(self.inbox))
             if not data:
-                self.fail("closed during the handshake")
+                self.fail("it closed the connection during the handshake (it is not a phalanx guard, "
+                          "or rank 0 is leaving)")
                 return
             self.inbox += data
             if len(self.inbox) == self.need:
@@ -200,7 +204,7 @@ class _Link:
 
     def _retry(self, why: str) -> None:
         """rank 0 is not listening yet (or no longer): try again a little later, until the deadline."""
-        self.guard.failure = f"could not connect to rank 0's guard at {self.guard.where} ({why})"
+        self.guard.unreachable = f"could not connect to rank 0's guard at {self.guard.where} ({why})"
         self.guard.drop(self.b)
         self.b = None
         self.state = "retry"
@@ -219,8 +223,8 @@ class _Link:
             return
         if self.guard.serving and self.state != "splice":
             self.guard.refused(self.peer)
-        elif why:
-            self.guard.failure = f"rank 0's guard at {self.guard.where}: {why}"
+        elif why and self.state in ("challenge", "accept"):  # for good: retrying cannot change the secret
+            self.guard.refusal = self.guard.refusal or f"rank 0's guard at {self.guard.where}: {why}"
         self.close()
 
     def close(self) -> None:
@@ -233,18 +237,19 @@ class Guard:
     """A guard's listening sockets and the thread that serves their connections.
 
     Made by :meth:`serve` (rank 0) or :meth:`client` (the other ranks); ``port`` is the
-    local port torch's store client connects to (client), ``failure`` the last reason a
-    connection to rank 0's guard failed, or None. :meth:`close` stops it.
+    local port torch's store client connects to (client); :attr:`failure` says why the last
+    connection to rank 0's guard failed. :meth:`close` stops it.
     """
 
     def __init__(self, key: bytes, serving: bool) -> None:
         self.key, self.serving = key, serving
         self.store_port = self.port = 0
-        self.connect_s = HANDSHAKE_S
         self.upstream: Any = None
         self.family = socket.AF_INET
         self.where = ""
-        self.failure: str | None = None
+        self.until = 0.0
+        self.refusal: str | None = None     # a client whose handshake failed: why (kept for good)
+        self.unreachable: str | None = None  # why the last connection to rank 0's guard failed
         self.refusals = 0
         self._selector = selectors.DefaultSelector()
         self._listeners: list[socket.socket] = []
@@ -280,7 +285,7 @@ class Guard:
         once the handshake with ``key`` passed (connections refused are retried for ``connect_s`` s)."""
         guard = cls(key, serving=False)
         family, _, _, _, guard.upstream = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
-        guard.family, guard.where, guard.connect_s = family, f"{host}:{port}", connect_s
+        guard.family, guard.where, guard.until = family, f"{host}:{port}", time.monotonic() + connect_s
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         guard._listeners.append(sock)
         sock.bind(("127.0.0.1", 0))
@@ -288,6 +293,11 @@ class Guard:
         guard.port = sock.getsockname()[1]
         guard._start()
         return guard
+
+    @property
+    def failure(self) -> str | None:
+        """Why connections to rank 0's guard fail (a refused handshake first), or None."""
+        return self.refusal or self.unreachable
 
     def _start(self) -> None:
         for sock in self._listeners:
@@ -355,6 +365,9 @@ class Guard:
         if sum(link.state != "splice" for link in self._links) >= _PENDING:
             if self.serving:
                 self.refused(peer)
+            sock.close()
+            return
+        if self.refusal is not None:  # refused once, refused again: torch's client fails at once
             sock.close()
             return
         link = _Link(self, sock, peer)

@@ -223,6 +223,9 @@ class Rendezvous:
             f"{missing if len(missing) > 1 else missing[0]}. Check that every rank was started (a "
             "launcher that stopped early, or a wrong WORLD_SIZE) with the same MASTER_ADDR/MASTER_PORT; "
             "raise the limit with `phalanx.init(timeout=...)` or PHALANX_TIMEOUT if ranks start slowly.")
+        if self.guard is not None and self.guard.serving and self.guard.refusals:
+            message += (f" The rendezvous refused {self.guard.refusals} connection(s) without the job's "
+                        "secret: start every rank with the same PHALANX_SECRET.")
         if self.rank == 0:  # leave the verdict for the others, and keep the store up while they read it
             self.store.set(verdict, message)
             time.sleep(_VERDICT_READ_S)
