@@ -10,11 +10,16 @@ Design notes (why, not what):
   torch's own server would listen on every interface, letting anyone on the
   network read and write the job's keys. gloo's own connections are confined
   the same way (``GLOO_SOCKET_IFNAME`` set to the loopback interface, ``lo`` or
-  ``lo0``, unless the user set it). A host name that merely resolves to
-  loopback (Debian maps the machine's name to 127.0.1.1) is not confined: the
-  other ranks may be elsewhere. A file store was the
-  alternative; it needs a directory every rank shares and has no ``check``
-  without a round trip to the file system, so the diagnosis would be slower.
+  ``lo0``, unless the user set it). A file store was the alternative; it
+  needs a directory every rank shares and has no ``check`` without a round
+  trip to the file system, so the diagnosis would be slower.
+* Otherwise the ranks may be on several hosts (a host name that merely
+  resolves to loopback, as Debian maps the machine's name, counts too): the
+  interface and the guard are chosen in :mod:`._netplan`, and rank 0's store
+  listens on loopback behind phalanx's handshake (:mod:`._guard`), the other
+  ranks' store clients reach it through a guard of their own. torch's store
+  has no authentication to switch on (``docs/design.md``, "The guarded
+  rendezvous").
 * The store is kept after set-up: after a timeout the process group is
   unusable, but the store still answers, so the backend's ``diagnose`` asks it
   who is stuck where (with short store timeouts of its own).
