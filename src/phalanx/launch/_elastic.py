@@ -17,7 +17,8 @@ Ctrl-C or SIGTERM to the launcher is never followed by a restart.
 
 Each attempt is a new job: a fresh job directory, rendezvous port and secret,
 and ``PHALANX_RESTART_COUNT`` (0, 1, ...; like torchrun's
-``TORCHELASTIC_RESTART_COUNT``) in every rank's environment. Nothing is kept
+``TORCHELASTIC_RESTART_COUNT``) in every rank's environment; with a log
+directory, a failed attempt's rank logs move to ``attempt-<k>/`` in it. Nothing is kept
 in memory across attempts: the script continues from its last checkpoint,
 e.g. ``phalanx.train.fit(..., global_batch_size=G, resume="latest")``, which
 with a fixed global batch ends with the parameters of an uninterrupted run.
