@@ -3,8 +3,9 @@
 Backends move bytes; they do not validate. The front end
 (:mod:`phalanx._collectives`) has already checked the arguments (op, root,
 dtype, contiguity) and, on every rank, agreed on a fingerprint of the call
-through :meth:`Backend.agree` before it calls a data method. So a backend may
-use its fastest blocking primitive for the data phase.
+through :meth:`Backend.agree` before it calls a data method. The data phase
+must still honour the call's ``timeout``: a peer can be lost mid-transfer (a
+cut link, a dead host), so it is posted non-blocking and waited with a deadline.
 
 Arrays are NumPy arrays or torch tensors (already detached and contiguous).
 Data methods work in place when ``inplace`` is true and always return the
