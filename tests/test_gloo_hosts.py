@@ -54,7 +54,7 @@ JOB = textwrap.dedent("""
     # One write per line: ranks of one host share a pipe, and print() writes the newline apart.
     sys.stdout.write(f"RESULT rank={rank} size={size} host={socket.gethostname()} local={os.environ['LOCAL_RANK']} "
                      f"local_size={os.environ['LOCAL_WORLD_SIZE']} group={os.environ.get('GROUP_RANK')} "
-                     f"iface={os.environ.get('GLOO_SOCKET_IFNAME')} sum={total:g} "
+                     f"iface={os.environ.get('PHALANX_IFACE')} sum={total:g} "
                      f"secret={hashlib.sha256(secret.encode()).hexdigest()[:12]} secret_len={len(secret)}\\n")
     sys.stdout.flush()
     args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
@@ -94,8 +94,10 @@ def results(stdout: str) -> dict[int, dict[str, str]]:
     return found
 
 
-def check_world(found: dict[int, dict[str, str]], where: list[str], local_size: dict[str, int]) -> None:
-    """Every rank ran on the host ``where[rank]``, knew its place, and got the right allreduce."""
+def check_world(found: dict[int, dict[str, str]], where: list[str], local_size: dict[str, int],
+                iface: str | None = None) -> None:
+    """Every rank ran on the host ``where[rank]``, knew its place and ``iface`` (``PHALANX_IFACE``),
+    and got the right allreduce."""
     n = len(where)
     assert sorted(found) == list(range(n)), found
     for rank, fields in found.items():
@@ -104,7 +106,7 @@ def check_world(found: dict[int, dict[str, str]], where: list[str], local_size: 
         assert fields["size"] == str(n) and fields["sum"] == f"{n * (n + 1) // 2:g}", (rank, fields)
         assert int(fields["local"]) == [r for r in range(n) if where[r] == host].index(rank), (rank, fields)
         assert fields["local_size"] == str(local_size[host]), (rank, fields)
-        assert fields["iface"] == "eth0", (rank, fields)  # the interface that routes to the master
+        assert fields["iface"] == str(iface), (rank, fields)
     assert len({f["secret"] for f in found.values()}) == 1, "the ranks do not share one secret"
 
 
@@ -118,10 +120,11 @@ def no_process_left(hosts: SimulatedHosts, bound: float = LEFT_BOUND) -> tuple[d
         time.sleep(0.1)
 
 
-def driver(hosts: SimulatedHosts, spec: str, job: Path, *job_args: str) -> subprocess.Popen[str]:
-    """``phalanx run --hosts spec --rsh RSH --backend gloo job`` started on host 0."""
+def driver(hosts: SimulatedHosts, spec: str, job: Path, *job_args: str,
+           iface: str | None = None) -> subprocess.Popen[str]:
+    """``phalanx run --hosts spec --rsh RSH --backend gloo [--iface iface] job`` started on host 0."""
     argv = [sys.executable, "-m", "phalanx", "run", "--hosts", spec, "--rsh", hosts.rsh, "--backend", "gloo",
-            "--timeout", "30", str(job), *job_args]
+            "--timeout", "30", *(["--iface", iface] if iface else []), str(job), *job_args]
     return hosts.popen(0, argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -190,11 +193,11 @@ def test_hosts_two_by_two_from_host_0_and_the_secret_is_on_no_command_line(
 
 
 @requires_hosts
-def test_hosts_three_by_one(hosts: SimulatedHosts, job: Path) -> None:
-    proc = driver(hosts, "h0,h1,h2", job)
+def test_hosts_three_by_one_with_iface(hosts: SimulatedHosts, job: Path) -> None:
+    proc = driver(hosts, "h0,h1,h2", job, iface="eth0")
     out, err = proc.communicate(timeout=JOB_TIMEOUT)
     assert proc.returncode == 0, err
-    check_world(results(out), ["h0", "h1", "h2"], {"h0": 1, "h1": 1, "h2": 1})
+    check_world(results(out), ["h0", "h1", "h2"], {"h0": 1, "h1": 1, "h2": 1}, iface="eth0")
     assert no_process_left(hosts)[0] == {}
 
 

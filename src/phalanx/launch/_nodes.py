@@ -10,12 +10,11 @@ Every host runs the same number of ranks (``-n``); host K's rank ``i`` is
 global rank ``K * n + i`` of ``nnodes * n``. Each rank gets torchrun's
 variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), the
-interface (``PHALANX_IFACE`` from ``--iface``; ``GLOO_SOCKET_IFNAME``, and
-``NCCL_SOCKET_IFNAME`` for nccl, from ``--iface`` or else the interface that
-routes to the master) and the job's secret (``PHALANX_SECRET``, from the
-environment or ``--secret-file``), which a job on more than one host must
-have: rank 0's rendezvous store listens on the network and admits only
-clients that know it.
+interface (``PHALANX_IFACE`` from ``--iface``; without it the ranks take the
+one that routes to the master where the host name would not do) and the
+job's secret (``PHALANX_SECRET``, from the environment or ``--secret-file``),
+which a job on more than one host must have: rank 0's rendezvous listens on
+the network and admits only clients that know it.
 
 Each launcher supervises its own ranks as on one host (:mod:`._spawn`): a
 failure elsewhere reaches them as a lost peer, so they fail too and every
@@ -29,11 +28,10 @@ import os
 import re
 
 from .._errors import LaunchError
-from .._net import interface_of, is_local_address, is_loopback, route_source
 from ._job import Launch, Signals
 from ._spawn import Placement, run_spawn
 
-__all__ = ["DEFAULT_PORT", "MARK", "SECRET_HELP", "check_nodes", "check_secret", "interface_to", "parse_master", "rank_placement",
+__all__ = ["DEFAULT_PORT", "MARK", "SECRET_HELP", "check_nodes", "check_secret", "parse_master", "rank_placement",
            "read_secret", "run_node"]
 
 DEFAULT_PORT = 29500  # torchrun's
@@ -92,39 +90,16 @@ def read_secret(secret_file: str | None) -> str | None:
     return check_secret(value, "PHALANX_SECRET") if value.strip() else None
 
 
-def interface_to(host: str, port: int = DEFAULT_PORT) -> str | None:
-    """The name of the interface this host reaches ``host`` through, or None when that cannot be told.
-
-    A name that resolves only to a loopback address here (Debian maps the machine's own name
-    to 127.0.1.1) is no way to the other hosts: None, unless ``host`` is literally a loopback
-    address (every rank is on this host).
-    """
-    try:
-        source = route_source(host, port)
-    except OSError:
-        return None
-    if is_loopback(source) and not is_local_address(host):
-        return None
-    return interface_of(source)
-
-
 def rank_placement(job: Launch, ranks: list[int], world_size: int, master: tuple[str, int],
                    secret: str | None, nnodes: int, node_rank: int) -> Placement:
     """Where this host's ``ranks`` (global, one per local rank) sit in a multi-host job, with the
-    environment they need for it (interface, secret, torchrun's ``GROUP_RANK``)."""
+    environment they need for it (``PHALANX_IFACE``, ``PHALANX_SECRET``, torchrun's ``GROUP_RANK``)."""
     host, port = master
     extra = {"GROUP_RANK": str(node_rank), "GROUP_WORLD_SIZE": str(nnodes)}
     if secret:
         extra["PHALANX_SECRET"] = secret
-    iface = job.iface or os.environ.get("PHALANX_IFACE") or None
-    if iface:
-        extra["PHALANX_IFACE"] = iface
-    else:
-        iface = interface_to(host, port)  # None: the ranks choose, or say how to choose
-    if iface:
-        extra.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", iface))
-        if job.backend == "nccl":
-            extra.setdefault("NCCL_SOCKET_IFNAME", os.environ.get("NCCL_SOCKET_IFNAME", iface))
+    if job.iface:  # the ranks choose gloo's and NCCL's interface from it (or, without, by the route to the master)
+        extra["PHALANX_IFACE"] = job.iface
     return Placement(world_size=world_size, ranks=tuple(ranks), master_addr=host, master_port=port, env=extra)
 
 

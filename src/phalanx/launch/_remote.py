@@ -103,6 +103,7 @@ def choose_master(config: dict[str, Any], iface: str | None) -> tuple[str, int]:
 
 def serve(config: dict[str, Any], stdin: _Stdin) -> int:
     """Run this host's ranks of the job ``config`` describes; its exit status."""
+    os.environ.update(config.get("env", {}))  # what the driver forwards (ssh passes no environment)
     job = Launch(**config["job"])
     job.resolve_settings()
     iface = job.iface or os.environ.get("PHALANX_IFACE") or None
@@ -123,7 +124,6 @@ def serve(config: dict[str, Any], stdin: _Stdin) -> int:
     placement = rank_placement(job, config["ranks"], config["world_size"], master, config["secret"],
                                config["nnodes"], config["node_rank"])
     job_dir = tempfile.mkdtemp(prefix="phalanx-job-")
-    os.environ.update(config.get("env", {}))
     env = rank_env(job, job_dir)
     outcome = Outcome()
     try:
