@@ -10,8 +10,11 @@ MPI jobs run under the ``mpiexec`` that matches mpi4py; gloo and nccl ranks
 are spawned and supervised here. Either way the first failure stops every
 rank within seconds and is reported with its rank and traceback, a rank that
 never reaches ``phalanx.init`` is named after the start timeout, and a
-Ctrl-C or SIGTERM stops every rank. Nothing heavy is imported: no torch, no
-mpi4py.
+Ctrl-C or SIGTERM stops every rank. gloo/nccl jobs on several hosts run either
+one launcher per host (``Launch(nnodes=N, node_rank=K, master="h0:29500")``,
+torchrun's convention) or one driver that starts them all over ssh
+(``Launch(hosts="h0:2,h1:2")``, horovodrun's). Nothing heavy is imported: no
+torch, no mpi4py.
 """
 
 from __future__ import annotations
