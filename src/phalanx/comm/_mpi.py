@@ -17,11 +17,13 @@ Design notes (why, not what):
   then broken and the rank ends with ``MPI_Abort``. A blocking call below
   some size would not be safe: a peer can vanish between the agreement and
   the data phase of any call, and in a loop of small calls that gap is half
-  the time. Measured (``benchmarks/README.md``, "Bounded data phase"): the
-  non-blocking call plus the spin costs nothing measurable against the
-  blocking call, at 8 B, 64 KiB and 16 MiB, 2 and 3 ranks. The requests
-  and buffers of a data phase that timed out are kept (``_abandoned``):
-  MPI may write into them until the process ends.
+  the time. Measured (``benchmarks/README.md``, "Bounded data phase"): with
+  a core per rank the non-blocking call plus the poll costs nothing
+  measurable against the blocking call (8 B still +6.6 us over raw mpi4py,
+  64 KiB and 16 MiB within the run-to-run spread); with more ranks than
+  cores the poll must yield from its first tests (:mod:`._wait`). The
+  requests and buffers of a data phase that timed out are kept
+  (``_abandoned``): MPI may write into them until the process ends.
 * An MPI error raised by a data phase (the transport saw a peer's
   connection close) is ``PeerLost``, so it reaches users as
   ``RankFailedError`` naming the call.
