@@ -281,3 +281,40 @@ def test_hosts_an_unknown_iface_fails_listing_the_hosts_interfaces(tmp_path: Pat
             error = job.file("error", r)
             assert error is not None and f"eth0 {hosts.addresses[r]}" in error["error"], job.stderr.get(r)
             assert "PHALANX_IFACE=eth9" in error["error"] and "--iface" not in error["error"][:40], error
+
+
+TORCHRUN_JOB = """\
+import os, numpy as np, phalanx
+phalanx.init(backend="gloo")
+total = phalanx.allreduce(np.array([1.0]))[0]
+print(f"rank {phalanx.rank()} sum {total} iface {os.environ.get('GLOO_SOCKET_IFNAME')}", flush=True)
+phalanx.shutdown()
+"""
+
+
+@requires_hosts
+def test_hosts_torchrun_across_hosts_needs_no_interface_from_the_user(tmp_path: Path) -> None:
+    """The issue's first failure: `torchrun --nnodes 2` on hosts whose names resolve to loopback;
+    gloo used to fail in connectFullMesh (remote=[127.0.1.1]). torchrun's agent serves the store,
+    so no secret is needed (nor can phalanx guard it)."""
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_JOB)
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    with two_hosts() as hosts:
+        env = {k: v for k, v in rank_env(0, 1, "x", 0).items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                                             "MASTER_PORT")}
+        procs = [debian_layout(hosts, i, tmp_path)(
+            [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(i), "--master-addr",
+             hosts.addresses[0], "--master-port", "29500", str(script)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+        outputs = []
+        for p in procs:
+            try:
+                outputs.append(p.communicate(timeout=90)[0])
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+        assert [p.returncode for p in procs] == [0, 0], outputs
+        for r, output in enumerate(outputs):
+            assert f"rank {r} sum 2.0 iface eth0" in output, output

@@ -104,6 +104,8 @@ class _Link:
                 self._writable(sock)
             if events & _R and not self.closed:
                 self._readable(sock)
+        except (BlockingIOError, InterruptedError):  # a wake-up with nothing to do: wait again
+            return
         except OSError as exc:
             self.fail(f"{exc.strerror or exc}")
             return
