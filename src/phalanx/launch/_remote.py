@@ -41,7 +41,7 @@ from ._spawn import Outcome, free_port, run_spawn
 
 __all__ = ["main"]
 
-LOST = "the driver of this job is gone (its connection to this host closed)"
+LOST = "the driver closed its connection to this host (another host failed, or the driver or its connection is gone)"
 
 
 class _Stdin:
