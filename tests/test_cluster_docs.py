@@ -306,6 +306,16 @@ def test_a_loopback_interface_is_refused_naming_the_interfaces(cluster: Cluster)
 
 @requires_hosts
 @needs_gloo
+def test_a_loopback_interface_given_to_hosts_is_refused_naming_the_interfaces(cluster: Cluster) -> None:
+    result = run_block(cluster, block("iface-error-hosts"), timeout=60)["h0"]
+    assert result.code != 0, result.out
+    for said in ("a loopback address", "--iface NAME", "Interfaces here:", "eth0 198.18.0.1"):
+        assert said in result.out, (said, result.out)
+    assert result.seconds < 20, f"refused only after {result.seconds:.1f} s (--timeout 20): at init, not in it"
+
+
+@requires_hosts
+@needs_gloo
 def test_a_job_on_several_hosts_without_a_secret_is_refused(cluster: Cluster) -> None:
     result = run_block(cluster, block("secret-missing"), timeout=30)["h0"]
     assert result.code not in (0, None), result.out
