@@ -34,7 +34,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .._errors import LaunchError
-from .._net import interface_address, is_loopback, resolve, route_source
+from .._net import describe_interfaces, interface_address, is_loopback, resolve, route_source
 from ._job import Launch, Signals, rank_env
 from ._nodes import MARK, parse_master, rank_placement
 from ._spawn import Outcome, free_port, run_spawn
@@ -96,6 +96,12 @@ def choose_master(config: dict[str, Any], iface: str | None) -> tuple[str, int]:
             address = resolve(config["host"])
         except OSError:
             address = socket.gethostname()
+    if config.get("nnodes", 1) > 1 and is_loopback(address):
+        raise LaunchError(
+            f"phalanx run --hosts: the rendezvous address on host {config['host']} is {address}, a loopback "
+            f"address the other hosts cannot reach (from {'--iface ' + iface if iface else 'its host name'}). "
+            f"Choose the interface the hosts share with --iface NAME (or PHALANX_IFACE). Interfaces here: "
+            f"{describe_interfaces()}.")
     with contextlib.suppress(OSError):
         return address, free_port(address)
     return address, free_port("0.0.0.0")
