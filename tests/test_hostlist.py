@@ -125,6 +125,7 @@ def test_launch_fields_take_hosts_as_text_pairs_or_hosts() -> None:
     assert as_hosts("h0:2,h1") == expected
     assert as_hosts([["h0", 2], ["h1", 1]]) == expected  # as JSON gives them back
     assert as_hosts(["h0:2", Host("h1")]) == expected
+    assert as_hosts([{"name": "h0", "slots": 2}, {"name": "h1", "slots": 1}]) == expected  # dataclasses.asdict
 
 
 @pytest.mark.parametrize("nodelist,names", [

@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import json
 import os
+import socket
 import sys
 import time
 import traceback
@@ -22,9 +23,20 @@ from typing import Any
 
 from ._files import write_atomically
 
-__all__ = ["env_rank", "install_abort_hook", "mark_rank", "record_failure"]
+__all__ = ["JOB_FILE_MARK", "env_rank", "install_abort_hook", "keep_job_channel", "mark_rank", "on_launch_host",
+           "record_failure", "send_job_file"]
 
 JOB_DIR_ENV = "PHALANX_JOB_DIR"
+LAUNCH_HOST_ENV = "PHALANX_LAUNCH_HOST"  # set by `phalanx run` when ranks may run on other hosts
+JOB_FILE_MARK = "@phalanx-job-file "  # a job-directory file on stderr, from a rank on another host
+_channel = 2  # the fd that carries them: stderr, as it was before --log-dir redirected it
+
+
+def on_launch_host() -> bool:
+    """False on a rank that runs on another host than its ``phalanx run`` (``$PHALANX_LAUNCH_HOST``):
+    the launcher's job directory is not there, so the rank reports through its stderr instead."""
+    host = os.environ.get(LAUNCH_HOST_ENV)
+    return not host or host == socket.gethostname()
 
 
 # Set by the launchers phalanx supports (phalanx run/torchrun, Open MPI, Hydra, PMIx, Slurm).
@@ -46,9 +58,11 @@ def env_rank() -> int:
 
 def record_failure(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None,
                    rank: int | None = None) -> None:
-    """Write ``failure-rank<r>.json`` into ``$PHALANX_JOB_DIR`` (atomically), if set."""
+    """Write ``failure-rank<r>.json`` into ``$PHALANX_JOB_DIR`` (atomically), if set; on another host
+    than the launcher's, one ``RECORD_MARK`` line of JSON on stderr, which mpiexec carries to it."""
     job_dir = os.environ.get(JOB_DIR_ENV)
-    if not job_dir:
+    remote = not on_launch_host()
+    if not job_dir and not remote:
         return
     rank = env_rank() if rank is None else rank
     record = {
@@ -57,12 +71,35 @@ def record_failure(exc_type: type[BaseException], exc: BaseException, tb: Traceb
         "type": exc_type.__name__,
         "message": str(exc),
         "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
+        "host": socket.gethostname(),
     }
+    if remote:
+        record.update(message=record["message"][:1000], traceback=record["traceback"][-2000:])
+        send_job_file(f"failure-rank{rank}.json", json.dumps(record))
+        return
+    assert job_dir is not None
     # Whole or absent: the launcher reads it while this rank may still be killed. Not fsynced:
     # it only has to outlive this process, not the machine.
     with contextlib.suppress(OSError):  # the report is a courtesy; never mask the real failure
         with write_atomically(os.path.join(job_dir, f"failure-rank{rank}.json"), "w", durable=False) as f:
             json.dump(record, f)
+
+
+def keep_job_channel() -> None:
+    """Keep this rank's stderr, as it is now, for :func:`send_job_file` (before --log-dir redirects it)."""
+    global _channel
+    with contextlib.suppress(OSError):
+        _channel = os.dup(2)
+
+
+def send_job_file(name: str, text: str) -> None:
+    """Send the launcher's job-directory file ``name`` with ``text`` from a rank on another host:
+    one ``JOB_FILE_MARK`` line, one write (short enough not to interleave with other ranks' output).
+    The launcher reads it from mpiexec's stderr, keeps it off the console and writes the file."""
+    line = (JOB_FILE_MARK + json.dumps({"name": name, "text": text}) + "\n").encode(errors="replace")
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
+        os.write(_channel, line)
 
 
 def mark_rank(kind: str, rank: int | None = None) -> None:
@@ -72,7 +109,7 @@ def mark_rank(kind: str, rank: int | None = None) -> None:
     (``phalanx run --start-timeout`` names the ranks that have neither).
     """
     job_dir = os.environ.get(JOB_DIR_ENV)
-    if not job_dir:
+    if not job_dir or not on_launch_host():
         return
     rank = env_rank() if rank is None else rank
     with contextlib.suppress(OSError):  # on another host the job directory may not exist

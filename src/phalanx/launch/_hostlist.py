@@ -194,7 +194,8 @@ def format_hosts(hosts: Iterable[Host]) -> str:
 
 def as_hosts(value: object) -> list[Host] | None:
     """Hosts from what a :class:`~phalanx.launch.Launch` may hold: ``None``, ``"h0:2,h1:2"``, or a list
-    of :class:`Host`, ``"h0:2"`` strings or ``[name, slots]`` pairs (as JSON gives them back)."""
+    of :class:`Host`, ``"h0:2"`` strings, ``[name, slots]`` pairs (as JSON gives them back) or
+    ``{"name", "slots"}`` dicts (as :func:`dataclasses.asdict` gives them)."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -205,6 +206,8 @@ def as_hosts(value: object) -> list[Host] | None:
             hosts.append(item)
         elif isinstance(item, str):
             hosts += parse_hosts(item)
+        elif isinstance(item, dict):  # dataclasses.asdict(job)
+            hosts.append(Host(str(item["name"]), int(item.get("slots", 1))))
         else:
             name, slots = item
             hosts.append(Host(str(name), int(slots)))

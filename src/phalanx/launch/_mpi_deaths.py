@@ -10,23 +10,30 @@ exits (Linux pidfds, opened from the ``pid-rank<r>`` files the workers leave).
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import select
 import signal
 import socket
+import sys
+import threading
 import time
+from typing import BinaryIO
 
+from .._failure import JOB_FILE_MARK
+from .._files import write_atomically
 from ._jobdir import pid_files
 from ._report import ECHOES, Death
 
-__all__ = ["HOST", "Watch", "can_watch_deaths", "deaths_from"]
+__all__ = ["HOST", "RecordSink", "Watch", "can_watch_deaths", "deaths_from"]
 
 HOST = socket.gethostname()
 
 
 def deaths_from(text: str, code: int, records: dict[int, dict[str, object]], seen: dict[int, float],
-                culprit: int | None = None, statuses: dict[int, int] | None = None) -> dict[int, Death]:
+                culprit: int | None = None, statuses: dict[int, int] | None = None,
+                pids: dict[int, tuple[int, str]] | None = None) -> dict[int, Death]:
     """How the ranks without a failure record ended, and which of them failed first.
 
     Open MPI names the failing rank and its status. Hydra names neither reliably (its
@@ -36,18 +43,22 @@ def deaths_from(text: str, code: int, records: dict[int, dict[str, object]], see
     launcher, not Hydra, stopped the others: ``_mpi_flavor.hydra_args``); without it the rank is the
     one the launcher saw die first, a weak clue, and the report says so. ``statuses``: exit
     statuses the launcher read itself (:attr:`Watch.status`), exact where Hydra's is not (it
-    merges every rank's status with a bitwise or).
+    merges every rank's status with a bitwise or). ``pids``: rank -> (pid, host) of a job across
+    hosts, where the launcher sees only its own host's ranks die: Hydra's "PID ... RUNNING AT
+    host" then names the rank that failed (Hydra's first bad termination, before its clean-up).
     """
     deaths = {rank: Death(at=at, by_launcher=True) for rank, at in seen.items() if rank not in records}
     found = False
     # Open MPI: "process rank 1 with PID 4242 on node x exited on\nsignal 9 (Killed)."
-    for rank, sig in re.findall(r"process rank (\d+) with PID \d+ on node \S+ exited on\s+signal (\d+)", text):
-        deaths[int(rank)] = Death(-int(sig), seen.get(int(rank)))
+    for rank, node, sig in re.findall(r"process rank (\d+) with PID \d+ on node (\S+) exited on\s+signal (\d+)",
+                                      text):
+        deaths[int(rank)] = Death(-int(sig), seen.get(int(rank)), host=node)
         found = True
     # Open MPI 4: "Process name: [[1234,1],1]\n  Exit code: 3"; 5: "[prterun-host-1234@1,1]"
     for rank, status in re.findall(r"Process name:\s*\[\S*?,(\d+)\]\s*\n\s*Exit code:\s*(\d+)", text):
         deaths[int(rank)] = Death(int(status), seen.get(int(rank)))
         found = True
+    found = found or pids is not None and _hydra_named(text, records, pids, deaths)
     causes = [r for r, rec in records.items() if rec.get("type") not in ECHOES]
     if found or not deaths or culprit is None and causes:
         return deaths
@@ -63,6 +74,24 @@ def deaths_from(text: str, code: int, records: dict[int, dict[str, object]], see
         deaths[first].notes.append(f"(Hydra kills the other ranks with SIGKILL too; rank {first} is the "
                                    "first rank the launcher saw die, which is usually the one that failed.)")
     return deaths
+
+
+def _hydra_named(text: str, records: dict[int, dict[str, object]], pids: dict[int, tuple[int, str]],
+                 deaths: dict[int, Death]) -> bool:
+    """Hydra's "BAD TERMINATION ... PID 123 RUNNING AT h1 ... EXIT CODE: 9", for a rank that left no
+    record: mark it in ``deaths`` as the failure (the code as Hydra tells it: a signal for a process it
+    saw killed). True when it named a known rank."""
+    match = re.search(r"PID (\d+) RUNNING AT (\S+)\s*\n\W*EXIT CODE: (\d+)", text)
+    if match is None:
+        return False
+    pid, host, status = int(match.group(1)), match.group(2), int(match.group(3))
+    rank = next((r for r, (p, h) in pids.items() if p == pid and h == host), None)
+    if rank is None or rank in records:
+        return False
+    sig = re.search(r"EXIT STRING: .*\(signal (\d+)\)", text)
+    killed = sig is not None or 0 < status < signal.NSIG and "CLEANING UP" in text
+    deaths[rank] = Death(-int(sig.group(1)) if sig else -status if killed else status, host=host)
+    return True
 
 
 @functools.lru_cache(maxsize=1)
@@ -150,3 +179,63 @@ class Watch:
         for fd in self.fds:
             os.close(fd)
         self.fds.clear()
+
+
+class RecordSink:
+    """Where mpiexec's stderr goes: the console, except the job-directory files of ranks on other
+    hosts (``JOB_FILE_MARK`` lines from :func:`phalanx._failure.send_job_file`: their pid and host,
+    their failure record), which it writes into the job directory as if those ranks had, so the
+    launcher treats them like local ones."""
+
+    _MARK = JOB_FILE_MARK.encode()
+    _NAMES = re.compile(r"^(?:failure-rank\d+\.json|pid-rank\d+)$")
+
+    def __init__(self, job_dir: str, console: BinaryIO | None = None) -> None:
+        self.job_dir = job_dir
+        self.console = console if console is not None else sys.stderr.buffer
+        self.partial = b""
+        self.lock = threading.Lock()
+
+    def write(self, data: bytes) -> None:
+        with self.lock:
+            *lines, self.partial = (self.partial + data).split(b"\n")
+            if len(self.partial) > 1 << 16 and self._MARK not in self.partial:  # no newline coming soon
+                lines.append(self.partial)
+                self.partial = b""
+            out = [self._filter(line) for line in lines]
+            self._emit(b"".join(out))
+
+    def flush(self) -> None:
+        with self.lock:
+            self.console.flush()
+
+    def close(self) -> None:
+        """Pass on a last line without a newline (the stream has ended)."""
+        with self.lock:
+            rest, self.partial = self.partial, b""
+            self._emit(self._filter(rest) if rest.strip() else b"")
+
+    def _filter(self, line: bytes) -> bytes:
+        at = line.find(self._MARK)
+        if at < 0:
+            return line + b"\n"
+        self._file(line[at + len(self._MARK):])
+        return line[:at] + b"\n" if line[:at].strip() else b""
+
+    def _emit(self, data: bytes) -> None:
+        if data:
+            try:
+                self.console.write(data)
+                self.console.flush()
+            except (OSError, ValueError):
+                pass
+
+    def _file(self, text: bytes) -> None:
+        try:
+            sent = json.loads(text)
+            name, content = str(sent["name"]), str(sent["text"])
+            if self._NAMES.match(name):
+                with write_atomically(os.path.join(self.job_dir, name), "w", durable=False) as f:
+                    f.write(content)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # a damaged line: the report falls back on mpiexec's own words

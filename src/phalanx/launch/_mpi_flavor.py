@@ -111,7 +111,8 @@ def openmpi_args(job: Launch, flavor: Flavor, env: dict[str, str], ours: list[st
     placed = re.search(r"oversubscribe|--map-by|--host|-H\b|hostfile|machinefile", user, re.IGNORECASE)
     cores = _cores()
     if job.oversubscribe and not placed:  # more ranks than the hosts' slots: checked and asked for
-        args += ["--map-by", ":OVERSUBSCRIBE"] if flavor.version[:1] >= (5,) else ["--oversubscribe"]
+        # by slot: Open MPI 5's default would put every extra rank on the first host
+        args += ["--map-by", "slot:OVERSUBSCRIBE"] if flavor.version[:1] >= (5,) else ["--oversubscribe"]
     elif job.n > cores and not placed and all_local(job):
         args += ["--map-by", ":OVERSUBSCRIBE"] if flavor.version[:1] >= (5,) else ["--oversubscribe"]
         notice(f"{job.n} ranks on {cores} cores: adding `{' '.join(args)}` (Open MPI refuses more ranks "

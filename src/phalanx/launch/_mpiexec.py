@@ -20,7 +20,7 @@ from .._errors import LaunchError
 from ._job import GRACE, Launch, Signals, all_local, worker_command
 from ._jobdir import any_record, marked_ranks, pid_files, read_records
 from ._logs import FileFollower, log_path, pump
-from ._mpi_deaths import HOST, Watch, can_watch_deaths, deaths_from
+from ._mpi_deaths import HOST, RecordSink, Watch, can_watch_deaths, deaths_from
 from ._mpi_flavor import (
     INSTALL_HINT,
     check_library,
@@ -30,6 +30,7 @@ from ._mpi_flavor import (
     mpiexec_flavor,
     openmpi_args,
 )
+from ._mpi_hosts import host_args
 from ._procs import child_setup, descendants, kill_pids
 from ._report import failure_report, first_failure
 from ._start import StartClock
@@ -39,9 +40,10 @@ __all__ = ["mpi_command", "run_mpi"]
 ABORT_GRACE = 5.0  # after a rank recorded an exception, how long mpiexec may take to end the job itself
 
 
-def mpi_command(job: Launch, env: dict[str, str]) -> tuple[list[str], bool]:
+def mpi_command(job: Launch, env: dict[str, str], job_dir: str) -> tuple[list[str], bool]:
     """The mpiexec command line for ``job``, and whether the launcher (not mpiexec) stops the ranks
-    after a failure; adjusts ``env`` (what the ranks must and must not inherit)."""
+    after a failure; adjusts ``env`` (what the ranks must and must not inherit). A host file or rsh
+    wrapper it needs is written into ``job_dir``."""
     mpiexec = find_mpiexec(job.mpiexec)
     if mpiexec is None:
         where = f"--mpiexec {job.mpiexec!r} is not an executable" if job.mpiexec else "no mpiexec was found"
@@ -59,25 +61,28 @@ def mpi_command(job: Launch, env: dict[str, str]) -> tuple[list[str], bool]:
         for rank in range(job.n):
             open(log_path(job.log_dir, rank), "wb").close()  # workers append; old runs' text must go
     local = all_local(job)
-    if local:  # nothing needs to reach these ranks from another host
+    if local and not (job.iface or env.get("PHALANX_IFACE")):  # nothing needs to reach these ranks from another host
         loopback_env(env)
+    placing = host_args(job, flavor.family, mpiexec, job_dir, env, ours)
     if flavor.family == "openmpi":
         extra = openmpi_args(job, flavor, env, ours)
     else:  # the launcher can stop the ranks itself only where it sees each of them end
         extra = hydra_args(flavor.banner, local and can_watch_deaths())
-    return [mpiexec, "-n", str(job.n), *extra, *job.mpi_args, *worker_command(job.target)], bool(extra) and local
+    cmd = [mpiexec, "-n", str(job.n), *extra, *placing, *job.mpi_args, *worker_command(job.target)]
+    return cmd, bool(extra) and local
 
 
 def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) -> int:
     """Run ``job`` under mpiexec until it ends; returns the exit status (a report on stderr if it failed)."""
-    cmd, own_cleanup = mpi_command(job, env)
+    cmd, own_cleanup = mpi_command(job, env, job_dir)
     start = time.time()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=child_setup(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None
     tails = (bytearray(), bytearray())
+    records = RecordSink(job_dir)  # failures of ranks on other hosts arrive on stderr
     pumps = [pump(proc.stdout, [sys.stdout.buffer], tail=tails[0]),
-             pump(proc.stderr, [sys.stderr.buffer], tail=tails[1])]
+             pump(proc.stderr, [records], tail=tails[1])]  # type: ignore[list-item]
     follower = FileFollower(job.log_dir, job.n, job.echo).start() if job.log_dir is not None else None
     watch = Watch(job_dir)
     # Ranks on other hosts cannot leave their init/ready markers in this host's job dir: the start
@@ -91,6 +96,7 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
         watch.close()
         for thread in pumps:
             thread.join(timeout=5)
+        records.close()
         if follower is not None:
             follower.stop()
     if signals.received:
@@ -101,7 +107,7 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
         sys.stderr.write(clock.report + "\n")
         return 1
     return _report(Path(cmd[0]).name, proc.returncode, b"".join(tails).decode(errors="replace"),
-                   job_dir, watch, start, supervisor.culprit)
+                   job_dir, watch, start, supervisor.culprit, across=not all_local(job))
 
 
 class _Supervisor:
@@ -183,16 +189,20 @@ class _Supervisor:
 
 
 def _report(name: str, code: int, output: str, job_dir: str, watch: Watch, start: float,
-            culprit: int | None) -> int:
-    """Print the failure report; return the job's exit status (a killed first rank's as a shell shows it)."""
+            culprit: int | None, across: bool = False) -> int:
+    """Print the failure report; return the job's exit status (a killed first rank's as a shell shows it).
+
+    ``across``: ranks may run on other hosts, whose deaths only mpiexec sees; the report names hosts."""
     records = read_records(job_dir)
-    deaths = deaths_from(output, code, records, watch.dead, culprit, watch.status)
+    deaths = deaths_from(output, code, records, watch.dead, culprit, watch.status,
+                         pids=pid_files(job_dir) if across else None)
     first = first_failure(records, deaths)
     status = f"{name} exited with {'code' if code > 0 else 'signal'} {abs(code)}"
     listed = any(d.by_launcher for d in deaths.values())  # else the ranks ran where the launcher cannot see
     stopper = "the launcher" if culprit is not None else f"{name} ({status})"
     sys.stderr.write(failure_report(first, start, records, deaths, stopper=stopper,
-                                    others="" if listed else f"stopped by {name}; {status}") + "\n")
+                                    others="" if listed else f"stopped by {name}; {status}",
+                                    name_hosts=across) + "\n")
     sys.stderr.flush()
     signalled = deaths[first].code if first in deaths and not deaths[first].by_launcher else None
     if signalled is not None and signalled < 0:

@@ -28,6 +28,7 @@ class Death:
     code: int | None = None  # exit status (negative: killed by that signal); None if unknown
     at: float | None = None  # time.time() when the launcher noticed
     by_launcher: bool = False  # the launcher stopped it after the first failure
+    host: str | None = None  # where it ran, when known (mpiexec names it for ranks on other hosts)
     notes: list[str] = field(default_factory=list)
 
 
@@ -49,26 +50,30 @@ def first_failure(records: dict[int, dict[str, Any]], deaths: dict[int, Death]) 
 
 
 def failure_report(first: int | None, start: float, records: dict[int, dict[str, Any]],
-                   deaths: dict[int, Death], stopper: str = "the launcher", others: str = "") -> str:
+                   deaths: dict[int, Death], stopper: str = "the launcher", others: str = "",
+                   name_hosts: bool = False) -> str:
     """The text printed to stderr when a job fails.
 
     ``stopper`` names who ended the ranks that were still running; ``others`` adds a note
-    about them (e.g. mpiexec's exit status).
+    about them (e.g. mpiexec's exit status); ``name_hosts``: say which host the first failing
+    rank ran on (a job across hosts), where its record or mpiexec tells.
     """
     record = records.get(first) if first is not None else None
     death = deaths.get(first, Death()) if first is not None else Death()
     own_exit = death.code not in (None, 0) and not death.by_launcher
     when = float(record["time"]) if record else death.at
     after = f" after {when - start:.1f} s" if when else ""
+    host = (record or {}).get("host") or death.host if name_hosts else None
+    on = f" on {host}" if host else ""
     if first is None:
         lines = ["phalanx run: the job failed, but no rank reported an error or was seen to die."]
     elif record:
         how = f" ({describe_exit(death.code)})" if own_exit else ""  # type: ignore[arg-type]
-        lines = [f"phalanx run: rank {first} failed first{how}{after}: {record['type']}: {record['message']}",
+        lines = [f"phalanx run: rank {first}{on} failed first{how}{after}: {record['type']}: {record['message']}",
                  record["traceback"].rstrip("\n")]
     else:
         how = describe_exit(death.code) if death.code is not None else "it ended"  # type: ignore[arg-type]
-        lines = [f"phalanx run: rank {first} failed first{after}: {how}, without a Python traceback"
+        lines = [f"phalanx run: rank {first}{on} failed first{after}: {how}, without a Python traceback"
                  + (" (sys.exit or os._exit)." if (death.code or 0) > 0 else ".")]
         if death.code == -signal.SIGKILL:
             lines.append("A SIGKILL that nobody sent usually comes from the out-of-memory killer: check `dmesg`.")

@@ -29,7 +29,7 @@ import sys
 import traceback
 from typing import Any
 
-from .._failure import env_rank, record_failure  # the rank is needed before MPI is initialized
+from .._failure import env_rank, keep_job_channel, on_launch_host, record_failure, send_job_file
 
 
 def _mpi() -> Any:
@@ -126,7 +126,11 @@ def fail(exc: BaseException) -> None:
 
 
 def main() -> None:
-    rank = env_rank()
+    rank = env_rank()  # from the environment: needed before MPI is initialized
+    if not on_launch_host():  # the launcher's job directory is on its host: its files go through stderr
+        os.environ.pop("PHALANX_JOB_DIR", None)
+        keep_job_channel()
+        send_job_file(f"pid-rank{rank}", f"{os.getpid()} {socket.gethostname()}\n")
     log_dir = os.environ.get("PHALANX_LOG_DIR")
     if log_dir:
         _redirect_output(log_dir, rank)
