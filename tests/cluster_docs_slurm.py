@@ -17,7 +17,8 @@
   task runs on its node through the ssh stand-in, with the caller's environment plus the step's
   variables (``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``, ``SLURM_STEP_*``, and
   ``SLURM_NTASKS``/``SLURM_NNODES``/``SLURM_NODELIST``/``SLURM_TASKS_PER_NODE`` of the step),
-  stdin from ``/dev/null``, output relayed; it waits for every task and exits with the largest
+  stdin from ``/dev/null`` (with ``--input all`` and one task: srun's stdin, whose end also ends
+  the task, since the stand-in cannot tell it from srun going away), output relayed; it waits for every task and exits with the largest
   status. When srun is signalled or exits, every task still running is terminated (as
   slurmstepd does).
 
@@ -46,7 +47,7 @@ _VALUED = {"-N": "nodes", "--nodes": "nodes", "-n": "ntasks", "--ntasks": "ntask
            "--gpus-per-node": "gpus", "--gres": "gres", "-c": "cpus", "--cpus-per-task": "cpus",
            "--mem": "mem", "-p": "partition", "--partition": "partition", "--cpu-bind": "cpu_bind",
            "--mpi": "mpi", "--export": "export", "--kill-on-bad-exit": "kill", "-K": "kill"}
-_FLAGS = {"--kill-on-bad-exit", "-K", "--external-launcher", "--exclusive", "--wait", "-W", "--no-kill", "-l", "--label"}
+_FLAGS = {"--kill-on-bad-exit", "-K", "--external-launcher", "--exclusive", "--overlap", "--wait", "-W", "--no-kill", "-l", "--label"}
 
 
 def install(bin_dir: str, hosts: list[str], rsh: str) -> None:
@@ -138,14 +139,15 @@ def spread(ntasks: int, nodes: int) -> list[int]:
 
 
 def start_task(config: dict[str, object], node: str, env: dict[str, str], argv: list[str],
-               **kw: object) -> subprocess.Popen[bytes]:
-    """Run ``argv`` on ``node`` through the ssh stand-in, with ``env`` and the current directory."""
+               relay: bool = False, **kw: object) -> subprocess.Popen[bytes]:
+    """Run ``argv`` on ``node`` through the ssh stand-in, with ``env`` and the current directory
+    (``relay``: the task reads this process's stdin)."""
     fd, path = tempfile.mkstemp(prefix="slurm-task-", suffix=".json", dir=os.environ.get("SLURM_STANDIN_DIR"))
     with os.fdopen(fd, "w") as f:
-        json.dump({"env": env, "cwd": os.getcwd(), "argv": argv}, f)
+        json.dump({"env": env, "cwd": os.getcwd(), "argv": argv, "relay": relay}, f)
     remote = shlex.join([str(config["python"]), os.path.abspath(__file__), "-", "task", path])
-    return subprocess.Popen([str(config["rsh"]), node, remote], stdin=subprocess.PIPE, start_new_session=True,
-                            **kw)  # type: ignore[call-overload]
+    return subprocess.Popen([str(config["rsh"]), node, remote], stdin=None if relay else subprocess.PIPE,
+                            start_new_session=True, **kw)  # type: ignore[call-overload]
 
 
 def task(path: str) -> int:
@@ -154,11 +156,23 @@ def task(path: str) -> int:
         spec = json.load(f)
     os.unlink(path)
     os.chdir(spec["cwd"])
-    proc = subprocess.Popen(spec["argv"], env=spec["env"], stdin=subprocess.DEVNULL, start_new_session=True)
+    relay = spec.get("relay", False)
+    proc = subprocess.Popen(spec["argv"], env=spec["env"], stdin=subprocess.PIPE if relay else subprocess.DEVNULL,
+                            start_new_session=True)
 
     def watch() -> None:
-        while os.read(0, 1 << 16):  # until EOF: srun is gone or ended the step
-            pass
+        while data := os.read(0, 1 << 16):  # until EOF: srun is gone or ended the step
+            if relay and proc.stdin is not None:
+                try:
+                    proc.stdin.write(data)
+                    proc.stdin.flush()
+                except OSError:
+                    pass
+        if relay and proc.stdin is not None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
         if proc.poll() is None:
             stop([proc])
 
@@ -202,6 +216,9 @@ def srun(config: dict[str, object], args: list[str]) -> int:
                 SLURM_STEP_NUM_NODES=str(len(nodes)), SLURM_NNODES=str(len(nodes)),
                 SLURM_STEP_NUM_TASKS=str(ntasks), SLURM_NTASKS=str(ntasks), SLURM_NPROCS=str(ntasks),
                 SLURM_STEP_TASKS_PER_NODE=counts(per_node), SLURM_TASKS_PER_NODE=counts(per_node))
+    relay = opts.get("input") == "all"
+    if relay and ntasks != 1:
+        sys.exit("srun stand-in: --input all is emulated for a step of one task only")
     procs, rank = [], 0
     signal.signal(signal.SIGTERM, lambda *_: stop(procs) or sys.exit(143))
     signal.signal(signal.SIGINT, lambda *_: stop(procs) or sys.exit(130))
@@ -210,7 +227,7 @@ def srun(config: dict[str, object], args: list[str]) -> int:
             env = dict(os.environ, **step, SLURM_PROCID=str(rank), SLURM_LOCALID=str(local),
                        SLURM_NODEID=str(node_id), SLURMD_NODENAME=node,
                        SLURM_GTIDS=",".join(str(r) for r in range(rank - local, rank - local + count)))
-            procs.append(start_task(config, node, env, argv))
+            procs.append(start_task(config, node, env, argv, relay=relay))
             rank += 1
     codes = [p.wait() for p in procs]
     stop(procs)

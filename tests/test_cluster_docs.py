@@ -357,6 +357,16 @@ def test_slurm_batch_script_with_one_launcher_per_node_gloo(cluster: Cluster) ->
 
 
 @requires_hosts
+@needs_gloo
+def test_slurm_batch_script_with_phalanx_run_alone_uses_the_allocation_gloo(cluster: Cluster) -> None:
+    _slurm_calls(cluster)
+    out = _slurm_output(run_block(cluster, block("slurm-gloo-alloc"))["h0"])
+    assert_trained(out, FOUR)
+    calls = _slurm_calls(cluster)
+    assert any(c.startswith("srun ") and "--nodelist h1" in c and "phalanx.launch._remote" in c for c in calls), calls
+
+
+@requires_hosts
 @needs_mpi
 def test_timeouts_example(cluster: Cluster) -> None:
     result = run_block(cluster, block("timeouts"))["h0"]

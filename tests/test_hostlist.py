@@ -21,7 +21,8 @@ from phalanx.launch._hostlist import (
     ranks_for,
     read_hostfile,
 )
-from phalanx.launch._slurm import allocation, expand_nodelist, expand_tasks_per_node
+from phalanx.launch._slurm import allocation, expand_nodelist, expand_tasks_per_node, slurm_hosts
+from phalanx.launch._srun_rsh import srun_argv
 
 
 @pytest.mark.parametrize("spec,hosts", [
@@ -162,3 +163,18 @@ def test_slurm_allocation_from_the_environment() -> None:
     assert bare is not None and bare.ntasks is None and bare.hosts == [Host("n1"), Host("n2")]
     with pytest.raises(LaunchError, match="SLURM_NTASKS='many'"):
         allocation({"SLURM_JOB_ID": "44", "SLURM_NTASKS": "many"})
+
+
+def test_slurm_hosts_for_gloo_are_the_allocations_nodes_through_srun() -> None:
+    two = {"SLURM_JOB_ID": "45", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_TASKS_PER_NODE": "2(x2)"}
+    hosts, rsh = slurm_hosts(None, two)
+    assert hosts == [Host("n1", 2), Host("n2", 2)]
+    assert rsh is not None and rsh.endswith("-m phalanx.launch._srun_rsh")
+    assert slurm_hosts("ssh -p 2222", two) == (hosts, "ssh -p 2222")  # a given --rsh is kept
+    one = {"SLURM_JOB_ID": "46", "SLURM_JOB_NODELIST": "n1", "SLURM_TASKS_PER_NODE": "4"}
+    assert slurm_hosts(None, one) == (None, None)  # one node: the ranks run here, as without Slurm
+    assert slurm_hosts(None, {}) == (None, None)  # no allocation
+    # the step that runs a per-host launcher: one task on that node, sharing it, stdin handed on
+    assert srun_argv("n2", ["cd", "/w", "&&", "exec", "python"], "--cpus-per-task=8") == [
+        "srun", "--nodes", "1", "--ntasks", "1", "--nodelist", "n2", "--overlap", "--input", "all",
+        "--cpus-per-task=8", "sh", "-c", "cd /w && exec python"]

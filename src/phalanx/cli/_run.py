@@ -9,7 +9,7 @@ import shlex
 from .._errors import LaunchError
 from ..launch import Launch, default_backend, launch
 from ..launch._hostlist import hosts_from_args
-from ..launch._slurm import job_ranks
+from ..launch._slurm import job_ranks, slurm_hosts
 
 __all__ = ["add_run_options", "job_from_args", "main", "split_target"]
 
@@ -43,7 +43,8 @@ def add_run_options(parser: argparse.ArgumentParser, *, n_default: int | None = 
     parser.add_argument("-n", "--np", dest="n", type=int, default=n_default,
                         metavar="N", help="number of processes (ranks); required on one host"
                         + (f" (default {n_default})" if n_default else "") + "; with --hosts/--hostfile the "
-                        "default is their slots, inside a Slurm allocation with mpi SLURM_NTASKS")
+                        "default is their slots; inside a Slurm allocation the allocation's tasks (gloo/nccl on "
+                        "several nodes: their tasks per node, the other nodes started through srun)")
     parser.add_argument("--backend", choices=("mpi", "gloo", "nccl"),
                         help="default: mpi when mpi4py and an mpiexec are installed, else nccl when "
                              "torch sees GPUs, else gloo")
@@ -123,13 +124,16 @@ def job_from_args(args: argparse.Namespace, target: list[str]) -> Launch:
     if args.rsh is not None and hosts is None:
         raise LaunchError(f"phalanx run --rsh {args.rsh!r}: it starts ranks on other hosts; give them with "
                           "--hosts h0:2,h1:2 or --hostfile FILE.")
+    rsh = args.rsh
+    if hosts is None and backend != "mpi" and (args.nnodes or 1) <= 1 and not (args.master or args.node_rank):
+        hosts, rsh = slurm_hosts(rsh)  # a Slurm allocation of several nodes: its nodes, through srun
     n = job_ranks(args.n, hosts, backend, oversubscribe=args.oversubscribe,
-                  flag="--hostfile" if args.hostfile else "--hosts")
+                  flag="--hostfile" if args.hostfile else "--hosts" if args.hosts else "(in a Slurm allocation)")
     return Launch(n=n, backend=backend, target=target, log_dir=args.log_dir, echo=args.echo,
                   timeout=args.timeout, mpiexec=args.mpiexec, mpi_args=mpi_args, start_timeout=args.start_timeout,
                   max_restarts=args.max_restarts, min_ranks=args.min_ranks, nnodes=args.nnodes,
                   node_rank=args.node_rank, master=args.master, iface=args.iface, secret_file=args.secret_file,
-                  hosts=hosts, rsh=args.rsh, oversubscribe=args.oversubscribe)
+                  hosts=hosts, rsh=rsh, oversubscribe=args.oversubscribe)
 
 
 def main(argv: list[str]) -> int:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -150,3 +152,14 @@ def job_ranks(n: int | None, hosts: list[Host] | None, backend: str, *, oversubs
     where = " (this Slurm allocation sets no SLURM_NTASKS: ask for tasks with sbatch -n N)" if alloc else ""
     raise LaunchError(f"phalanx run: no number of ranks given{where}; give -n N (e.g. phalanx run -n 4 train.py), "
                       "or the hosts and their slots with --hosts h0:2,h1:2 or --hostfile FILE.")
+
+
+def slurm_hosts(rsh: str | None, environ: Mapping[str, str] | None = None) -> tuple[list[Host] | None, str | None]:
+    """``(hosts, rsh)`` for a gloo/nccl ``phalanx run`` given no hosts: inside a Slurm allocation of
+    several nodes, its nodes (their tasks as slots) reached through ``srun`` (unless ``rsh`` is given);
+    elsewhere, or on one node, ``(None, rsh)``: the ranks run here, as without Slurm.
+    """
+    alloc = allocation(environ)
+    if alloc is None or len(alloc.nodes) < 2:
+        return None, rsh
+    return alloc.hosts, rsh or shlex.join([sys.executable, "-m", "phalanx.launch._srun_rsh"])
