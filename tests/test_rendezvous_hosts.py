@@ -244,11 +244,12 @@ def two_hosts() -> Iterator[Any]:
 
 
 @requires_hosts
-@pytest.mark.parametrize("how", ["auto", "iface"])
+@pytest.mark.parametrize("how", ["auto", "iface", "name"])
 def test_hosts_a_world_forms_across_hosts_through_the_guard(tmp_path: Path, how: str) -> None:
     """auto: MASTER_ADDR=198.18.0.1, no interface variable: the interface that routes to the master
-    is chosen. iface: MASTER_ADDR=h0 (loopback on h0 itself) and PHALANX_IFACE=eth0. An intruder on
-    h1 is refused either way."""
+    is chosen. iface: MASTER_ADDR=h0 (loopback on h0 itself) and PHALANX_IFACE=eth0. name:
+    MASTER_ADDR=h0 and no interface variable: on h0 the route to h0 is loopback, so its one other
+    interface is chosen. An intruder on h1 is refused (auto)."""
     with two_hosts() as hosts:
         master = hosts.addresses[0] if how == "auto" else hosts.names[0]
         extra = {"PHALANX_SECRET": SECRET} | ({"PHALANX_IFACE": "eth0"} if how == "iface" else {})
@@ -265,6 +266,8 @@ def test_hosts_a_world_forms_across_hosts_through_the_guard(tmp_path: Path, how:
             check_world(job, 2, "eth0", hosts.addresses[0], 29500)
             check_intruder(job, hosts.addresses[1])
         else:
+            if how == "name":
+                assert all(job.file("up", r)["iface"] == "eth0" for r in range(2)), job.stderr  # type: ignore[index]
             assert [a for a in job.file("up", 0)["listening"] if a[1] == 29500] == sorted(  # type: ignore[index]
                 [[hosts.addresses[0], 29500], ["127.0.1.1", 29500]]), job.file("up", 0)
             assert all(job.file("done", r) == {"listening": [], "intruder_keys": []} for r in range(2)), job.stderr

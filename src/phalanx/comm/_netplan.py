@@ -17,6 +17,7 @@ from .._net import (
     describe_interfaces,
     interface_address,
     interface_of,
+    interfaces,
     is_local_address,
     is_loopback,
     loopback_interface,
@@ -98,6 +99,9 @@ def _interface(host: str, port: int, single: bool) -> str | None:
             f"phalanx.init: this host's name ({socket.gethostname()}) resolves to a loopback address, "
             f"which ranks on other hosts cannot reach, and no route to MASTER_ADDR={host} was found "
             f"({exc}) to choose an interface by; {_HOW}. Interfaces here: {describe_interfaces()}.") from None
+    if is_loopback(source):  # the master is this host under a loopback name (Debian's 127.0.1.1)
+        only = _only_interface()
+        source = only[1] if only is not None else source
     name = interface_of(source) or ""
     if not name:
         raise RendezvousError(
@@ -107,6 +111,16 @@ def _interface(host: str, port: int, single: bool) -> str | None:
     _loopback_check(name, source, host, single, "the interface that routes to MASTER_ADDR")
     os.environ["GLOO_SOCKET_IFNAME"] = name
     return name
+
+
+def _only_interface() -> tuple[str, str] | None:
+    """(name, address) of this host's one non-loopback interface with an address; None when it has
+    none or several (then the user must choose)."""
+    found: dict[str, str] = {}
+    for name, address in interfaces():
+        if address and not is_loopback(address):
+            found.setdefault(name, address)
+    return next(iter(found.items())) if len(found) == 1 else None
 
 
 def _loopback_check(name: str, address: str, host: str, single: bool, what: str) -> None:
