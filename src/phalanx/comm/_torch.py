@@ -90,7 +90,11 @@ class TorchBackend:
             self.rank, self.size = env("RANK", int), env("WORLD_SIZE", int)
             meeting = Rendezvous(dist, self.rank, self.size, timeout, TorchBackend._made)
             self._store, self._rendezvous = meeting.store, meeting
-            self.local_rank, self.local_size = meeting.node_ranks()
+            try:
+                self._setup(name, timeout, devices, meeting)
+            except BaseException:  # nothing of the rendezvous (guard, store) may outlive a failed init
+                meeting.close()
+                raise
         else:  # the user or torchrun made the process group: use it as it is
             existing = str(dist.get_backend())
             name = name or ("nccl" if "nccl" in existing and torch.cuda.is_available() else "gloo")
@@ -102,12 +106,19 @@ class TorchBackend:
             self._store = get_store() if get_store is not None else None
             self.local_rank, self.local_size = node_ranks_from_store(self._store, self.rank, self.size,
                                                                      timeout)
+            self._setup(name, timeout, devices, None)
+
+    def _setup(self, name: str, timeout: float, devices: list[Any] | None, meeting: Rendezvous | None) -> None:
+        """The rest of ``__init__``: the device, the process group (with ``meeting``: phalanx makes it)."""
+        torch, dist = self._torch, self._dist
+        if meeting is not None:
+            self.local_rank, self.local_size = meeting.node_ranks()
         self.name = name
         self._nccl = name == "nccl"
         bound = None if self._owns_group else getattr(dist.group.WORLD, "bound_device_id", None)
         self.device = (bound or rank_device("init(backend='nccl')", devices, self.local_rank)) \
             if self._nccl else torch.device("cpu")
-        if self._owns_group:
+        if meeting is not None:
             self._init_group(name, timeout, meeting)
         ops = dist.ReduceOp  # on bool, MIN is logical and and MAX logical or, on gloo and NCCL alike
         self._ops = {"sum": ops.SUM, "prod": ops.PRODUCT, "min": ops.MIN, "max": ops.MAX,

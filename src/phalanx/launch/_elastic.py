@@ -171,7 +171,8 @@ def probe_hosts(names: list[str], rsh: str | None = None, timeout: float = PROBE
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)  # the rsh and whatever it started
-            proc.communicate()
+            with contextlib.suppress(subprocess.TimeoutExpired):  # a child that left the group may hold stderr
+                proc.communicate(timeout=2)
             return f"{shown} gave no answer within {timeout:g} s"
         if proc.returncode == 0:
             return None

@@ -64,9 +64,12 @@ class _Stdin:
         threading.Thread(target=self._run, daemon=True, name="phalanx-stdin").start()
 
     def _run(self) -> None:
-        while (message := self.line()) is not None:
-            if "stop" in message:
-                os.kill(os.getpid(), int(message["stop"]))  # handled by Signals, like a local Ctrl-C
+        try:
+            while (message := self.line()) is not None:
+                if "stop" in message:
+                    os.kill(os.getpid(), int(message["stop"]))  # handled by Signals, like a local Ctrl-C
+        except (ValueError, TypeError, OSError):  # a garbled line: the driver cannot be trusted to be there
+            self.closed.set()
 
     def lost(self) -> str | None:
         return LOST if self.closed.is_set() else None
