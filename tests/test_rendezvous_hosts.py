@@ -167,6 +167,35 @@ def test_here_a_client_without_the_secret_is_refused_and_rank_0_says_so(guarded_
 
 
 @needs_address
+def test_here_idle_connections_without_the_secret_do_not_keep_ranks_out(tmp_path: Path) -> None:
+    """100 idle connections to rank 0's guard (more than it lets wait at once) before rank 1 starts:
+    rank 1's connections closed unheard are retried, not taken as a verdict on its secret, and the
+    world forms once the idle ones reach the handshake deadline (5 s)."""
+    assert HERE is not None
+    port = free_port(HERE)
+    envs = [rank_env(r, 2, HERE, port, PHALANX_SECRET=SECRET) for r in range(2)]
+    flood: list[socket.socket] = []
+
+    def after_the_flood(argv: list[str], **kw: Any) -> subprocess.Popen[str]:
+        deadline = time.monotonic() + 30
+        while len(flood) < 100 and time.monotonic() < deadline:
+            try:
+                flood.append(socket.create_connection((HERE, port), timeout=1))
+            except OSError:  # rank 0 is not listening yet
+                time.sleep(0.05)
+        assert len(flood) == 100, f"only {len(flood)} connections to rank 0's guard"
+        return subprocess.Popen(argv, **kw)
+
+    try:
+        job = run_job(tmp_path, [subprocess.Popen, after_the_flood], envs)
+    finally:
+        for sock in flood:
+            sock.close()
+    check_world(job, 2, interface_of(HERE) or "", HERE, port)
+    print(f"rank 1 joined after {job.file('up', 1)['init_s']:.2f} s")  # type: ignore[index]
+
+
+@needs_address
 def test_here_a_missing_secret_fails_every_rank_naming_the_fix(tmp_path: Path) -> None:
     job = here(tmp_path, 2)
     for r in range(2):

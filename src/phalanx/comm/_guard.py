@@ -47,7 +47,8 @@ PROOF = 32
 ACCEPT = b"\x01"
 HANDSHAKE_S = 5.0   # a connection must have proved the secret this soon after it was made
 _BUFFER = 1 << 20   # bytes held per direction before the guard stops reading that side
-_PENDING = 64       # handshakes in progress at once; more connections are closed at once
+_PENDING = 256      # handshakes in progress at once; more connections are closed at once
+_PER_SOURCE = 64    # of which from one address (so one host cannot take every place)
 _LOGGED = 20        # refusals written to stderr; later ones are counted only
 _R, _W = selectors.EVENT_READ, selectors.EVENT_WRITE
 
@@ -81,6 +82,7 @@ class _Link:
         self.retry_at = 0.0
         self.tries = 0
         self.nc = self.expected = b""
+        self.forged = False  # rank 0's side failed to prove the secret: no retry can help
         _quick(a)
 
     # -- which events each socket waits for ----------------------------------------
@@ -175,11 +177,16 @@ class _Link:
             nc, ns = self.nc, message[len(MAGIC):len(MAGIC) + NONCE]
             if not (hmac.compare_digest(message[:len(MAGIC)], MAGIC) and hmac.compare_digest(
                     message[len(MAGIC) + NONCE:], _mac(key, b"phalanx guard server", nc, ns))):
+                self.forged = True
                 self.fail("it answered without proof of the secret: PHALANX_SECRET differs between ranks")
                 return
             self.hs_out += _mac(key, b"phalanx guard client", nc, ns)
             self.state, self.need = "accept", len(ACCEPT)
         elif self.state == "accept":
+            if not hmac.compare_digest(message, ACCEPT):
+                self.forged = True
+                self.fail("it did not accept the proof as a phalanx guard does")
+                return
             self.state = "splice"  # torch's bytes held in to_b go out now
 
     # -- the client's connection to rank 0's guard ---------------------------------------
@@ -210,6 +217,7 @@ class _Link:
         self.guard.drop(self.b)
         self.b = None
         self.state = "retry"
+        self.inbox, self.hs_out = bytearray(), bytearray()
         self.retry_at = time.monotonic() + min(0.002 * 2 ** min(self.tries, 7), 0.25)
 
     # -- ends -------------------------------------------------------------------------
@@ -225,6 +233,12 @@ class _Link:
             return
         if self.guard.serving and self.state != "splice":
             self.guard.refused(self.peer)
+        elif self.state == "challenge" and not self.forged and time.monotonic() < self.guard.until:
+            # Closed or silent before proving anything (rank 0 busy or restarting, a full guard):
+            # no verdict on the secret; try again until the rendezvous' deadline.
+            self._retry(why or "no handshake within the deadline")
+            self.deadline = self.guard.until
+            return
         elif why and self.state in ("challenge", "accept"):  # for good: retrying cannot change the secret
             self.guard.refusal = self.guard.refusal or f"rank 0's guard at {self.guard.where}: {why}"
         self.close()
@@ -364,10 +378,10 @@ class Guard:
         except OSError:
             return
         peer = f"{address[0]}:{address[1]}" if ":" not in address[0] else f"[{address[0]}]:{address[1]}"
-        if sum(link.state != "splice" for link in self._links) >= _PENDING:
-            if self.serving:
-                self.refused(peer)
-            sock.close()
+        pending = [link for link in self._links if link.state != "splice"]
+        source = peer.rsplit(":", 1)[0]
+        if len(pending) >= _PENDING or sum(link.peer.rsplit(":", 1)[0] == source for link in pending) >= _PER_SOURCE:
+            sock.close()  # too many handshakes at once (from this address): not a verdict on its secret
             return
         if self.refusal is not None:  # refused once, refused again: torch's client fails at once
             sock.close()
