@@ -87,7 +87,8 @@ def add_run_options(parser: argparse.ArgumentParser, *, n_default: int | None = 
                         "rendezvous, the same on every host (default port 29500)")
     parser.add_argument("--iface", metavar="NAME", help="the network interface the ranks use across hosts "
                         "(sets PHALANX_IFACE; mpi: also mpiexec's -iface (MPICH) or btl/oob_tcp_if_include (Open MPI); "
-                        "default: the one that routes to the master)")
+                        "default: each backend's own, except that gloo ranks whose host name is a loopback "
+                        "address take the interface that routes to the master)")
     parser.add_argument("--secret-file", metavar="FILE", help="with --nnodes: read the job's secret from FILE "
                         "instead of PHALANX_SECRET")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K",

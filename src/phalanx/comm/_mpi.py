@@ -9,8 +9,8 @@ Design notes (why, not what):
   ``[sig, -sig]`` on every rank. It is polled, so it doubles as the timeout
   for "has every rank reached this call".
 * The data phase is bounded too: every data method posts MPI's non-blocking
-  collective and polls it with the same deadline (:func:`._wait.poll`: a
-  pure ``Test`` spin for 2 ms, then yielding the core between tests). A
+  collective and polls it with the same deadline (:func:`._wait.poll`:
+  ``Test`` in a loop that yields the core every 64 tests). A
   peer that passed the agreement and then stopped answering (a cut link, a
   dead host) is a ``CollectiveTimeoutError`` naming the call, not a hang in
   a blocking ``MPI_Allreduce`` that no timeout can interrupt; the world is
