@@ -268,6 +268,25 @@ def test_sigterm_to_the_driver_stops_every_rank_on_every_host_with_143(hosts: Si
 
 
 @requires_hosts
+def test_a_host_whose_rsh_hangs_fails_the_start_within_the_start_timeout(hosts: SimulatedHosts, job: Path,
+                                                                          tmp_path: Path) -> None:
+    """An rsh that never returns for h1 (a hung ssh): the driver ends the job once the start timeout
+    passes, naming h1, and leaves nothing on any host."""
+    rsh = tmp_path / "rsh-hangs-for-h1"
+    rsh.write_text(f'#!/bin/sh\ncase "$1" in h1) exec sleep 600;; esac\nexec {hosts.rsh} "$@"\n')
+    rsh.chmod(0o755)
+    argv = [sys.executable, "-m", "phalanx", "run", "--hosts", "h0:1,h1:1", "--rsh", str(rsh), "--backend", "gloo",
+            "--start-timeout", "3", str(job)]
+    start = time.monotonic()
+    done = hosts.run(0, argv, capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    took = time.monotonic() - start
+    assert done.returncode not in (0, None), done.stdout + done.stderr
+    assert "no launcher started on h1 within the start timeout" in done.stderr, done.stderr
+    assert took < 3 + 15, f"the driver took {took:.1f} s (start timeout 3 s)"
+    assert no_process_left(hosts)[0] == {}
+
+
+@requires_hosts
 def test_a_host_cut_off_ends_both_nnodes_launchers_through_timeouts(hosts: SimulatedHosts, tmp_path: Path) -> None:
     """torchrun's convention has no driver: each launcher must end once its ranks time out on their own."""
     loop = tmp_path / "loop.py"

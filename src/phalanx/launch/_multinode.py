@@ -125,8 +125,8 @@ def remote_command(rsh: str | None, host: str, cwd: str) -> list[str]:
     if _is_here(host):
         return here
     words = shlex.split(rsh) if rsh else ["ssh"]
-    if os.path.basename(words[0]) == "ssh":
-        words += ["-o", "BatchMode=yes"]  # never wait for a password or a host-key question
+    if os.path.basename(words[0]) == "ssh":  # never wait for a password, a host-key question or a dead host
+        words += ["-o", "BatchMode=yes", "-o", "ConnectTimeout=30"]
     path = os.environ.get("PYTHONPATH")
     start = ["env", f"PYTHONPATH={path}", *here] if path else here
     # ssh joins its words with spaces for the remote shell: one quoted word keeps paths intact.
@@ -219,7 +219,8 @@ def run_hosts(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) 
     for remote in remotes:  # after the last fork: preexec_fn and running threads do not mix
         _relay(remote, messages)
     try:
-        failed = _supervise(remotes, messages, signals, waiting=job.master is None)
+        failed = _supervise(remotes, messages, signals, waiting=job.master is None,
+                            start_by=time.monotonic() + (job.start_timeout or float("inf")))
     finally:
         _stop(remotes, signals, job.stop_grace or 0.0)
         for remote in remotes:
@@ -234,8 +235,10 @@ def run_hosts(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) 
 
 
 def _supervise(remotes: list[_Remote], messages: queue.Queue[tuple[_Remote, dict[str, Any]]],
-               signals: Signals, waiting: bool) -> bool:
-    """Wait for the job's end (True: a host failed); hand node 0's master to the others on the way."""
+               signals: Signals, waiting: bool, start_by: float = float("inf")) -> bool:
+    """Wait for the job's end (True: a host failed); hand node 0's master to the others on the way.
+    A per-host launcher that has not spoken by ``start_by`` (a hung ssh, a host that never answers)
+    fails the job: the start timeout bounds the start across hosts too."""
     while True:
         for remote, message in _drain(messages):
             if waiting and "master" in message and remote is remotes[0]:
@@ -247,6 +250,13 @@ def _supervise(remotes: list[_Remote], messages: queue.Queue[tuple[_Remote, dict
             return True
         if signals.received or all(c == 0 for c in codes):
             return False
+        silent = [r.host for r in remotes if not r.started]
+        if silent and time.monotonic() > start_by:
+            _write(sys.stderr, (f"phalanx run --hosts: no launcher started on {', '.join(silent)} within the "
+                                "start timeout (--start-timeout, PHALANX_START_TIMEOUT): the rsh hangs or the host "
+                                f"does not answer; check that `ssh {silent[0]} true` (or your --rsh) returns at "
+                                "once.\n").encode())
+            return True
         time.sleep(POLL)
 
 
