@@ -360,3 +360,11 @@ def test_master_takes_a_host_and_an_optional_port_like_torchrun() -> None:
     assert parse_master("h0") == ("h0", 29500)
     assert parse_master("10.0.0.1:1234") == ("10.0.0.1", 1234)
     assert parse_master("[fd00::1]:1234") == ("fd00::1", 1234)
+
+
+def test_secret_file_with_hosts_is_refused_since_each_job_makes_its_own(job: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "phalanx", "run", "--hosts", "localhost:1", "--backend", "gloo",
+                          "--secret-file", "/nonexistent/secret", str(job)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "RESULT" not in out.stdout, out
+    assert "makes a fresh secret for every job" in " ".join(out.stderr.split()), out.stderr

@@ -122,12 +122,16 @@ def job_from_args(args: argparse.Namespace, target: list[str]) -> Launch:
         raise LaunchError(f"phalanx run: cannot split --mpi-args {args.mpi_args!r}: {exc}") from None
     backend = args.backend or default_backend(args.mpiexec)
     hosts = hosts_from_args(args.hosts, args.hostfile)
-    if args.rsh is not None and hosts is None:
-        raise LaunchError(f"phalanx run --rsh {args.rsh!r}: it starts ranks on other hosts; give them with "
-                          "--hosts h0:2,h1:2 or --hostfile FILE.")
     rsh = args.rsh
     if hosts is None and backend != "mpi" and (args.nnodes or 1) <= 1 and not (args.master or args.node_rank):
         hosts, rsh = slurm_hosts(rsh)  # a Slurm allocation of several nodes: its nodes, through srun
+    if args.rsh is not None and hosts is None:
+        raise LaunchError(f"phalanx run --rsh {args.rsh!r}: it starts ranks on other hosts; give them with "
+                          "--hosts h0:2,h1:2 or --hostfile FILE.")
+    if args.secret_file is not None and hosts is not None:
+        raise LaunchError(f"phalanx run --secret-file {args.secret_file}: with --hosts (or a Slurm allocation) "
+                          "phalanx makes a fresh secret for every job and hands it to each host; drop "
+                          "--secret-file (it is for --nnodes, one command per host).")
     n = job_ranks(args.n, hosts, backend, oversubscribe=args.oversubscribe,
                   flag="--hostfile" if args.hostfile else "--hosts" if args.hosts else "(in a Slurm allocation)")
     return Launch(n=n, backend=backend, target=target, log_dir=args.log_dir, echo=args.echo,
