@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._errors import BackendUnavailableError
-from ._base import PeerLost
+from ._base import PeerLost, WaitTimeout
 from ._wait import poll
 
 __all__ = ["MPIRequest", "check_launcher_agrees", "detect_gpu_aware", "import_mpi", "mpi_available"]
@@ -86,6 +86,9 @@ def check_launcher_agrees(size: int) -> None:
             )
 
 
+_ABANDONED: list[Any] = []  # requests whose wait timed out (MPIRequest.wait)
+
+
 class MPIRequest:
     """An MPI request plus what turns its buffers into the user's result (an MPI error is PeerLost)."""
 
@@ -112,6 +115,9 @@ class MPIRequest:
                 poll(self._req.Test, timeout, patient=False)
             except self._errors as exc:
                 raise PeerLost(str(exc)) from exc
+            except WaitTimeout:
+                _ABANDONED.append(self)  # MPI may write into its buffers until the process ends
+                raise
             self._complete()
         return self._result
 
