@@ -29,7 +29,7 @@ __all__ = ["Host", "as_hosts", "check_hosts", "format_hosts", "hosts_from_args",
            "ranks_for", "read_hostfile", "total_slots"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$|^\[[0-9A-Fa-f:.]+\]$")  # a host name, an IPv4 or a bracketed IPv6 address
-_FILE_LINE = re.compile(r"^(?P<name>\S+?)(?::(?P<colon>\S+))?(?:\s+(?P<rest>.*))?$")
+_FILE_LINE = re.compile(r"^(?P<name>\[[^\]]*\]|[^\s:]+)(?::(?P<colon>\S+))?(?:\s+(?P<rest>.*))?$")
 
 
 @dataclass(frozen=True)

@@ -234,7 +234,7 @@ class RecordSink:
         try:
             sent = json.loads(text)
             name, content = str(sent["name"]), str(sent["text"])
-            if self._NAMES.match(name):
+            if self._NAMES.fullmatch(name):
                 with write_atomically(os.path.join(self.job_dir, name), "w", durable=False) as f:
                     f.write(content)
         except (OSError, ValueError, KeyError, TypeError):
