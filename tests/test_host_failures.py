@@ -144,8 +144,10 @@ def test_a_partition_mid_allreduce_ends_every_rank_on_both_sides_in_bounded_time
         assert error.startswith("CollectiveTimeoutError: phalanx.allreduce"), error
         assert seconds < S + RAISE_GRACE, f"rank {r} raised {seconds:.1f} s after the cut"
     reachable = [r for r in (0, 1) if raised[r] is not None]
-    # On MPI the first rank to raise aborts the job: its neighbour may be stopped before it prints its own.
-    assert len(reachable) == 2 or (backend == "mpi" and reachable), f"h0's ranks raised no error\n{report[-3000:]}"
+    # The first rank to raise ends the job (MPI aborts it; on gloo h0's launcher stops its other rank):
+    # a neighbour whose own deadline started later (on gloo it may have left the cut call and wait in
+    # the next one) can be stopped before it prints its own error.
+    assert reachable, f"h0's ranks raised no error\n{report[-3000:]}"
     for r in reachable:
         seconds, error = raised[r]  # type: ignore[misc]
         assert error.startswith("CollectiveTimeoutError: phalanx.allreduce"), error
