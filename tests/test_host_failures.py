@@ -159,7 +159,7 @@ def test_a_partition_mid_allreduce_ends_every_rank_on_both_sides_in_bounded_time
 def test_a_host_whose_processes_are_all_killed_ends_the_job_in_bounded_time(
         backend: str, n: int, tmp_path: Path) -> None:
     code, ended, raised, report = _fault_run(backend, "kill", tmp_path)
-    assert code != 0, report[-3000:]
+    assert code != 0, report[-3000:]  # Open MPI's mpiexec exits 0 here: the launcher sees h0's ranks unfinished
     assert ended < S + END_GRACE, f"the launcher took {ended:.1f} s after the kill\n{report[-3000:]}"
     for r in (0, 1):  # a rank on h0 either raised a phalanx error naming the call, or the launcher stopped it
         if raised[r] is not None:

@@ -102,7 +102,13 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
     if signals.received:
         return signals.exit_code
     if proc.returncode == 0:
-        return 0
+        lost = [] if all_local(job) else _unfinished_here(job_dir, watch)
+        if not lost:
+            return 0
+        sys.stderr.write(f"phalanx run: {Path(cmd[0]).name} exited with status 0, but rank(s) {lost} on this host "
+                         f"({HOST}) ended without finishing: the processes of another host were lost (Open MPI "
+                         "ends a job that way when a host's daemon dies). The job failed.\n")
+        return 1
     if clock.report is not None and not any_record(job_dir):
         sys.stderr.write(clock.report + "\n")
         return 1
@@ -186,6 +192,12 @@ class _Supervisor:
         """The pids of the ranks on this host that have not been seen to end."""
         return [pid for rank, (pid, host) in pid_files(self.job_dir).items()
                 if host == HOST and rank not in self.watch.dead]
+
+
+def _unfinished_here(job_dir: str, watch: Watch) -> list[int]:
+    """The ranks on this host that ended neither by themselves (no ``exit-rank<r>``) nor with status 0."""
+    clean = marked_ranks(job_dir, "exit") | {r for r, code in watch.status.items() if code == 0}
+    return sorted(r for r, (_, host) in pid_files(job_dir).items() if host == HOST and r not in clean)
 
 
 def _report(name: str, code: int, output: str, job_dir: str, watch: Watch, start: float,
