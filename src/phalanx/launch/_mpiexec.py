@@ -105,6 +105,7 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
         lost = [] if all_local(job) else _unfinished_here(job_dir, watch)
         if not lost:
             return 0
+        kill_pids(supervisor.local_ranks())  # mpiexec has gone: nothing else stops a rank it left behind
         sys.stderr.write(f"phalanx run: {Path(cmd[0]).name} exited with status 0, but rank(s) {lost} on this host "
                          f"({HOST}) ended without finishing: the processes of another host were lost (Open MPI "
                          "ends a job that way when a host's daemon dies). The job failed.\n")
@@ -180,7 +181,7 @@ class _Supervisor:
         """
         if not self.watch.dead:
             return
-        clean = marked_ranks(self.job_dir, "exit") | {r for r, code in self.watch.status.items() if code == 0}
+        clean = _clean(self.job_dir, self.watch)
         ended = sorted((at, rank) for rank, at in self.watch.dead.items() if rank not in clean)
         if not ended:
             return
@@ -194,9 +195,14 @@ class _Supervisor:
                 if host == HOST and rank not in self.watch.dead]
 
 
+def _clean(job_dir: str, watch: Watch) -> set[int]:
+    """The ranks that ended cleanly: the worker's ``exit-rank<r>`` marker, or exit status 0 where it was read."""
+    return marked_ranks(job_dir, "exit") | {r for r, code in watch.status.items() if code == 0}
+
+
 def _unfinished_here(job_dir: str, watch: Watch) -> list[int]:
-    """The ranks on this host that ended neither by themselves (no ``exit-rank<r>``) nor with status 0."""
-    clean = marked_ranks(job_dir, "exit") | {r for r, code in watch.status.items() if code == 0}
+    """The ranks on this host that did not end cleanly (:func:`_clean`)."""
+    clean = _clean(job_dir, watch)
     return sorted(r for r, (_, host) in pid_files(job_dir).items() if host == HOST and r not in clean)
 
 
