@@ -122,6 +122,8 @@ def fail(exc: BaseException) -> None:
             mpi.COMM_WORLD.Abort(1)
     # Exit normally (atexit handlers flush the user's files). Should exit hang, waiting for peers that
     # will never come, the launcher stops this rank: it has seen the failure record.
+    if os.environ.get("PHALANX_BACKEND") in ("gloo", "nccl"):
+        _exit_past_torch_teardown(1)
     sys.exit(1)
 
 
@@ -143,30 +145,36 @@ def main() -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code == 0:
             _leave_exit_marker()
-        if code == 0 and os.environ.get("PHALANX_BACKEND") in ("gloo", "nccl"):
-            _exit_past_torch_teardown()
+        if os.environ.get("PHALANX_BACKEND") in ("gloo", "nccl"):
+            if exc.code is not None and not isinstance(exc.code, int):
+                print(exc.code, file=sys.stderr)  # what sys.exit("message") prints
+            _exit_past_torch_teardown(code)
         _abort_at_exit(code)
         raise
     except KeyboardInterrupt as exc:
         traceback.print_exception(_user_frames(exc))
+        if os.environ.get("PHALANX_BACKEND") in ("gloo", "nccl"):
+            _exit_past_torch_teardown(130)
         _abort_at_exit(130)
         sys.exit(130)
     except BaseException as exc:  # noqa: BLE001 - every uncaught error must end the job
         fail(exc)
     _leave_exit_marker()
     if os.environ.get("PHALANX_BACKEND") in ("gloo", "nccl"):
-        _exit_past_torch_teardown()
+        _exit_past_torch_teardown(0)
 
 
-def _exit_past_torch_teardown() -> None:
-    """End a torch.distributed rank that finished cleanly without C++ static teardown.
+def _exit_past_torch_teardown(code: int) -> None:
+    """End a torch.distributed rank with status ``code`` without C++ static teardown.
 
     torch 2.13's Gloo teardown sometimes dies in ``terminate called without an
     active exception`` (SIGABRT) after the script has finished, even after
-    ``destroy_process_group()`` (about 1 exit in 20, raw torch too), which
-    would turn a successful job into a failed one. Python's own exit work
-    (atexit handlers: the user's files, loggers) runs first; only the C++
-    destructors are skipped. MPI ranks never take this path: they must finalize.
+    ``destroy_process_group()`` (about 1 exit in 20, raw torch too; more often
+    after a timeout, with a store call abandoned in a thread), which would turn
+    a success into a failure and a failure's exit status 1 into a signal.
+    Python's own exit work (atexit handlers: the user's files, loggers) runs
+    first; only the C++ destructors are skipped. MPI ranks never take this
+    path: they must finalize.
     """
     import atexit
 
@@ -176,7 +184,7 @@ def _exit_past_torch_teardown() -> None:
             stream.flush()
         except Exception:  # noqa: BLE001 - a closed stream must not turn success into failure
             pass
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":
