@@ -1,0 +1,1 @@
+"""Horovod's top-level API on phalanx: ``phalanx.horovod.run`` (and ``phalanx.horovod.torch``)."""

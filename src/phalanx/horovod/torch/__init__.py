@@ -1,0 +1,22 @@
+"""Horovod's PyTorch API on phalanx: ``import phalanx.horovod.torch as hvd``.
+
+A script written for ``horovod.torch`` runs unchanged but for that import, on
+phalanx's collectives and gradient engine (MPI or gloo, no compiled extension),
+with phalanx's timeouts and mismatch errors where Horovod would stall. What
+differs from Horovod, and why, is in ``docs/horovod.md``.
+"""
+
+from __future__ import annotations
+
+from ._adasum import *  # noqa: F403
+from ._async import *  # noqa: F403
+from ._autograd import *  # noqa: F403
+from ._basics import *  # noqa: F403
+from ._compression import *  # noqa: F403
+from ._functions import *  # noqa: F403
+from ._join import *  # noqa: F403
+from ._ops import *  # noqa: F403
+from ._optimizer import *  # noqa: F403
+from ._process_sets import *  # noqa: F403
+from ._sync_batch_norm import *  # noqa: F403
+from ._timeline import *  # noqa: F403

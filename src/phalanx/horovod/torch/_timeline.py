@@ -1,0 +1,3 @@
+"""Placeholder: filled in by its owner."""
+
+__all__: list[str] = []
