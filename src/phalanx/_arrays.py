@@ -1,11 +1,17 @@
 """What the collectives accept, normalized into one small record.
 
-``as_buffer(x, call)`` takes a NumPy array, a torch tensor, or a Python/NumPy
-scalar and returns a :class:`Buffer`: the contiguous array the backend moves
-(the user's own memory when possible), its canonical dtype name, its shape,
-whether it may be written in place, and how to turn the backend's result back
-into what the user passed (a scalar stays a scalar). Nothing heavy is imported
-here: torch is recognized through ``sys.modules``, never imported.
+``as_buffer(x, call)`` takes a NumPy array, a torch tensor, a JAX array, or a
+Python/NumPy scalar and returns a :class:`Buffer`: the contiguous array the
+backend moves (the user's own memory when possible), its canonical dtype name,
+its shape, whether it may be written in place, and how to turn the backend's
+result back into what the user passed (a scalar stays a scalar, a JAX array
+comes back as a new JAX array on the input's device). Nothing heavy is imported
+here: torch and jax are recognized through ``sys.modules``, never imported.
+
+JAX arrays are immutable, so they are never written: the backend reads a host
+view (``np.asarray``: no copy for a CPU array) and returns a new array. A JAX
+array on a GPU is staged through host memory (one copy each way). bfloat16
+travels as float32 (MPI has no bfloat16; exact, one rounding at the end).
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ import numpy as np
 
 from ._errors import UnsupportedArgumentError
 
-__all__ = ["DTYPE_CODES", "FLOAT_DTYPES", "NATIVE_NUMPY_DTYPES", "Buffer", "UnsupportedArgumentError",
-           "as_buffer"]
+__all__ = ["DTYPE_CODES", "FLOAT_DTYPES", "NATIVE_NUMPY_DTYPES", "Buffer", "JaxResult",
+           "UnsupportedArgumentError", "as_buffer", "is_jax_array", "jax_host_view"]
 
 
 # Canonical dtype names and their codes in call fingerprints.
@@ -50,7 +56,8 @@ class Buffer:
         self.shape = shape
         self.inplace = inplace
         self.is_torch = is_torch
-        self.scalar = scalar  # None, or the type to convert a 0-d result back to
+        # None, or how to convert the result back: a scalar type, np.generic, or a JaxResult.
+        self.scalar = scalar
 
     @property
     def numel(self) -> int:
@@ -61,13 +68,22 @@ class Buffer:
 
     def describe(self) -> str:
         """E.g. ``float32[4, 3] (torch)``: used in error messages."""
-        kind = "torch" if self.is_torch else ("scalar" if self.scalar is not None else "numpy")
+        if type(self.scalar) is JaxResult:
+            kind = "jax"
+        else:
+            kind = "torch" if self.is_torch else ("scalar" if self.scalar is not None else "numpy")
         return f"{self.dtype}{list(self.shape)} ({kind})"
+
+    def back(self, result: Any) -> Any:
+        """A new array result (allgather, gather, ...) as a JAX array when a JAX array was passed."""
+        return self.scalar(result) if type(self.scalar) is JaxResult else result
 
     def finish(self, result: Any) -> Any:
         """Convert the backend's result back to the type the user passed."""
         if self.scalar is None or result is None:
             return result
+        if type(self.scalar) is JaxResult:
+            return self.scalar(result)
         if self.scalar is np.generic:  # a NumPy scalar stays a NumPy scalar
             return result.reshape(()).copy()[()]
         return self.scalar(result.reshape(-1)[0].item())
@@ -106,6 +122,15 @@ def as_buffer(x: Any, call: str) -> Buffer:
                 "you need it in place)."
             )
         return Buffer(x.detach(), name, tuple(x.shape), True, True)
+    jax = sys.modules.get("jax")
+    if jax is not None and isinstance(x, jax.Array):
+        host = jax_host_view(x, call)
+        name = host.dtype.name
+        if name == "bfloat16":  # MPI has no bfloat16: widened (exactly), rounded back once at the end
+            host = host.astype(np.float32)
+        elif name not in DTYPE_CODES:
+            raise _bad_dtype(call, name)
+        return Buffer(host, name, host.shape, False, False, JaxResult(x))
     if isinstance(x, (bool, int, float)):
         array = np.array(x)  # bool -> bool, int -> int64, float -> float64
         if array.dtype.name not in DTYPE_CODES:
@@ -120,7 +145,7 @@ def as_buffer(x: Any, call: str) -> Buffer:
         return Buffer(array, array.dtype.name, (), True, False, np.generic)
     raise UnsupportedArgumentError(
         f"phalanx.{call}: cannot send an object of type {type(x).__module__}.{type(x).__qualname__}. "
-        "Pass a NumPy array, a torch tensor or a Python/NumPy scalar (e.g. `np.asarray(x)`); "
+        "Pass a NumPy array, a torch tensor, a JAX array or a Python/NumPy scalar (e.g. `np.asarray(x)`); "
         "for arbitrary picklable objects see phalanx.broadcast_object / allgather_object."
     )
 
@@ -130,3 +155,49 @@ def _bad_dtype(call: str, name: str) -> UnsupportedArgumentError:
         f"phalanx.{call}: dtype {name} is not supported. Supported: {', '.join(DTYPE_CODES)}. "
         "Cast first, e.g. `x.astype(np.float32)` or `x.float()`."
     )
+
+
+# -- JAX ----------------------------------------------------------------------------------------
+
+def is_jax_array(x: Any) -> bool:
+    """Whether ``x`` is a ``jax.Array`` (concrete or traced), without importing jax."""
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(x, jax.Array)
+
+
+def jax_host_view(x: Any, call: str) -> np.ndarray:
+    """A C-contiguous host array holding ``x``'s values: no copy for a CPU array, one for a GPU array.
+
+    Raises UnsupportedArgumentError for a traced value (inside ``jax.jit``: use
+    ``phalanx.jax``, whose functions call the collectives from inside jit) and
+    for an array sharded over several devices.
+    """
+    jax = sys.modules["jax"]
+    if isinstance(x, jax.core.Tracer):
+        raise UnsupportedArgumentError(
+            f"phalanx.{call}: got a traced JAX value (inside jax.jit, jax.grad or jax.vmap), which has "
+            "no data yet. Inside jit use phalanx.jax.allreduce_gradients / phalanx.jax.allreduce (they "
+            "call phalanx from the compiled step), or call phalanx.{call} outside the jitted function.")
+    if len(x.sharding.device_set) > 1:
+        raise UnsupportedArgumentError(
+            f"phalanx.{call}: the JAX array is sharded over {len(x.sharding.device_set)} devices; "
+            "phalanx moves one process's array. Pass a single-device array (e.g. "
+            "`jax.device_put(x, jax.local_devices()[0])`).")
+    return np.ascontiguousarray(np.asarray(x))
+
+
+class JaxResult:
+    """Turns a backend's host result into a new JAX array on the input's device."""
+
+    __slots__ = ("device", "dtype")
+
+    def __init__(self, like: Any) -> None:
+        self.device = next(iter(like.sharding.device_set))
+        self.dtype = like.dtype
+
+    def __call__(self, result: Any) -> Any:
+        if result is None:
+            return None
+        if result.dtype != self.dtype:  # a bfloat16 array reduced in float32
+            result = result.astype(self.dtype)
+        return sys.modules["jax"].device_put(result, self.device)

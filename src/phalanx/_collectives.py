@@ -11,6 +11,8 @@ Semantics (the same on every backend):
   ``gather`` returns ``None`` off the root. ``reduce`` leaves non-root ranks
   their input. ``reduce_scatter``/``alltoall`` split the first axis into
   ``size()`` equal chunks.
+* ``group=``: every collective can run on a group of ranks made by
+  :func:`phalanx.new_group` (see :mod:`phalanx._groups`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 from ._arrays import FLOAT_DTYPES, Buffer, as_buffer
 from ._errors import InvalidArgumentError, UnsupportedArgumentError, UsageError
 from ._settings import settings
+from ._groups import Group, world_for
 from ._world import World, current
 from .comm._base import OPS, Op
 
@@ -51,7 +54,8 @@ def _check_op(call: str, op: Any, buf: Buffer) -> str:
 def _check_root(call: str, root: Any, world: World) -> int:
     if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < world.size:
         raise InvalidArgumentError(
-            f"phalanx.{call}(root={root!r}): not a rank of this world; pass an int in "
+            f"phalanx.{call}(root={root!r}): not a rank of this {'group' if hasattr(world, 'group') else 'world'}"
+            f"; pass an int in "
             f"0..{world.size - 1} (e.g. root=0), the same on every rank."
         )
     return root
@@ -78,7 +82,7 @@ def _run(world: World, call: str, fn: Any, *args: Any) -> Any:
         return fn(*args, world.timeout)
 
 
-def allreduce(x: Any, op: Op = "sum", *, step: int | None = None) -> Any:
+def allreduce(x: Any, op: Op = "sum", *, step: int | None = None, group: Group | None = None) -> Any:
     """Reduce ``x`` over all ranks with ``op``; every rank gets the result (and ``x`` in place).
 
     >>> phalanx.allreduce(np.array([rank, 1.0]))   # on 3 ranks: array([3., 3.])
@@ -92,13 +96,17 @@ def allreduce(x: Any, op: Op = "sum", *, step: int | None = None) -> Any:
             bool, ``"min"`` is logical and, ``"max"`` logical or).
         step: an optional int label (e.g. the training step), the same on every rank.
 
+    ``group``: a :class:`Group` from :func:`new_group` runs the call among its members
+    only (ranks and roots are group ranks); None (default) is the whole world; a rank
+    outside the group gets NotInGroupError.
+
     Returns the reduced value, of ``x``'s type. Raises InvalidArgumentError (unknown
     op), UnsupportedArgumentError (a type or dtype that cannot be sent),
     CollectiveMismatchError (ranks passed different shapes, dtypes, ops or steps:
     raised on every rank before anything is sent), CollectiveTimeoutError (a rank
     never came, within the timeout), RankFailedError (a peer died or shut down).
     """
-    world = current("allreduce")
+    world = current("allreduce") if group is None else world_for(group, "allreduce")
     buf = as_buffer(x, "allreduce")
     if op != "sum" or buf.dtype == "bool":  # the common case skips the op checks
         _check_op("allreduce", op, buf)
@@ -110,37 +118,45 @@ def allreduce(x: Any, op: Op = "sum", *, step: int | None = None) -> Any:
     return result if buf.scalar is None else buf.finish(result)
 
 
-def broadcast(x: Any, root: int = 0, *, step: int | None = None) -> Any:
+def broadcast(x: Any, root: int = 0, *, step: int | None = None, group: Group | None = None) -> Any:
     """Every rank gets ``root``'s ``x``: arrays and tensors are overwritten in place.
 
     Arguments: ``x`` (a NumPy array, tensor or scalar, the same shape and dtype on
     every rank), ``root`` (the sending rank, the same on every rank), ``step`` (an
     optional int label, the same on every rank).
 
+    ``group``: a :class:`Group` from :func:`new_group` runs the call among its members
+    only (ranks and roots are group ranks); None (default) is the whole world; a rank
+    outside the group gets NotInGroupError.
+
     Returns root's value, of ``x``'s type. Raises InvalidArgumentError (a root that
     is not a rank), CollectiveMismatchError (ranks disagree on shape, dtype, root or
     step), CollectiveTimeoutError, RankFailedError.
     """
-    world = current("broadcast")
+    world = world_for(group, "broadcast")
     buf = as_buffer(x, "broadcast")
     _check_root("broadcast", root, world)
     world.enter("broadcast", buf, None, root, _check_step("broadcast", step))
     return buf.finish(_run(world, "broadcast", world.backend.broadcast, buf.data, root, buf.inplace))
 
 
-def reduce(x: Any, op: Op = "sum", root: int = 0, *, step: int | None = None) -> Any:
+def reduce(x: Any, op: Op = "sum", root: int = 0, *, step: int | None = None, group: Group | None = None) -> Any:
     """Reduce ``x`` onto ``root`` with ``op``; other ranks get their own ``x`` back unchanged.
 
     Arguments: ``x`` (array, tensor or scalar, alike on every rank), ``op``
     (``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"avg"``), ``root`` (the receiving
     rank), ``step`` (an optional int label, the same on every rank).
 
+    ``group``: a :class:`Group` from :func:`new_group` runs the call among its members
+    only (ranks and roots are group ranks); None (default) is the whole world; a rank
+    outside the group gets NotInGroupError.
+
     Returns the reduction on ``root``, ``x`` elsewhere. Raises InvalidArgumentError
     (unknown op, a root that is not a rank), UnsupportedArgumentError (a type or
     dtype that cannot be sent), CollectiveMismatchError (ranks passed different
     shapes, dtypes, ops, roots or steps), CollectiveTimeoutError, RankFailedError.
     """
-    world = current("reduce")
+    world = world_for(group, "reduce")
     buf = as_buffer(x, "reduce")
     _check_op("reduce", op, buf)
     _check_root("reduce", root, world)
@@ -148,44 +164,56 @@ def reduce(x: Any, op: Op = "sum", root: int = 0, *, step: int | None = None) ->
     return buf.finish(_run(world, "reduce", world.backend.reduce, buf.data, op, root, buf.inplace))
 
 
-def allgather(x: Any, *, step: int | None = None) -> Any:
+def allgather(x: Any, *, step: int | None = None, group: Group | None = None) -> Any:
     """Every rank's ``x`` stacked on a new first axis: shape ``(size(), *x.shape)``, in rank order.
 
     Arguments: ``x`` (array, tensor or scalar, the same shape and dtype on every
     rank; not modified), ``step`` (an optional int label, the same on every rank).
 
+    ``group``: a :class:`Group` from :func:`new_group` runs the call among its members
+    only (ranks and roots are group ranks); None (default) is the whole world; a rank
+    outside the group gets NotInGroupError.
+
     Returns a new array or tensor like ``x``. Raises UnsupportedArgumentError,
     CollectiveMismatchError, CollectiveTimeoutError, RankFailedError.
     """
-    world = current("allgather")
+    world = world_for(group, "allgather")
     buf = as_buffer(x, "allgather")
     world.enter("allgather", buf, None, -1, _check_step("allgather", step))
-    return _run(world, "allgather", world.backend.allgather, buf.data)
+    return buf.back(_run(world, "allgather", world.backend.allgather, buf.data))
 
 
-def gather(x: Any, root: int = 0, *, step: int | None = None) -> Any:
+def gather(x: Any, root: int = 0, *, step: int | None = None, group: Group | None = None) -> Any:
     """Every rank's ``x`` stacked on a new first axis, on ``root`` only; other ranks get ``None``.
 
     Arguments: ``x`` (array, tensor or scalar, alike on every rank), ``root`` (the
     receiving rank), ``step`` (an optional int label, the same on every rank).
 
+    ``group``: a :class:`Group` from :func:`new_group` runs the call among its members
+    only (ranks and roots are group ranks); None (default) is the whole world; a rank
+    outside the group gets NotInGroupError.
+
     Returns the ``(size(), *x.shape)`` stack on ``root``, else None. Raises
     InvalidArgumentError (a root that is not a rank), UnsupportedArgumentError,
     CollectiveMismatchError, CollectiveTimeoutError, RankFailedError.
     """
-    world = current("gather")
+    world = world_for(group, "gather")
     buf = as_buffer(x, "gather")
     _check_root("gather", root, world)
     world.enter("gather", buf, None, root, _check_step("gather", step))
-    return _run(world, "gather", world.backend.gather, buf.data, root)
+    return buf.back(_run(world, "gather", world.backend.gather, buf.data, root))
 
 
-def reduce_scatter(x: Any, op: Op = "sum", *, step: int | None = None) -> Any:
+def reduce_scatter(x: Any, op: Op = "sum", *, step: int | None = None, group: Group | None = None) -> Any:
     """Reduce ``x`` with ``op`` and give rank ``i`` chunk ``i`` of the result's first axis.
 
     Arguments: ``x`` (array or tensor whose first axis is ``size() * k``, alike on
     every rank; not modified), ``op`` (``"sum"``, ``"prod"``, ``"min"``, ``"max"``,
     ``"avg"``), ``step`` (an optional int label, the same on every rank).
+
+    ``group``: a :class:`Group` from :func:`new_group` runs the call among its members
+    only (ranks and roots are group ranks); None (default) is the whole world; a rank
+    outside the group gets NotInGroupError.
 
     Returns a new array or tensor with first axis ``k``. Raises InvalidArgumentError
     (unknown op), UnsupportedArgumentError (a type or dtype that cannot be sent, or
@@ -193,39 +221,49 @@ def reduce_scatter(x: Any, op: Op = "sum", *, step: int | None = None) -> Any:
     CollectiveMismatchError (ranks passed different shapes, dtypes, ops or steps),
     CollectiveTimeoutError, RankFailedError.
     """
-    world = current("reduce_scatter")
+    world = world_for(group, "reduce_scatter")
     buf = as_buffer(x, "reduce_scatter")
     _check_op("reduce_scatter", op, buf)
     _check_chunks("reduce_scatter", buf, world)
     world.enter("reduce_scatter", buf, op, -1, _check_step("reduce_scatter", step))
-    return _run(world, "reduce_scatter", world.backend.reduce_scatter, buf.data, op)
+    return buf.back(_run(world, "reduce_scatter", world.backend.reduce_scatter, buf.data, op))
 
 
-def alltoall(x: Any, *, step: int | None = None) -> Any:
+def alltoall(x: Any, *, step: int | None = None, group: Group | None = None) -> Any:
     """Send chunk ``j`` of ``x``'s first axis to rank ``j``; the result's chunk ``j`` came from rank ``j``.
 
     Arguments: ``x`` (array or tensor whose first axis splits into ``size()`` equal
     chunks, alike on every rank; not modified), ``step`` (an optional int label).
 
+    ``group``: a :class:`Group` from :func:`new_group` runs the call among its members
+    only (ranks and roots are group ranks); None (default) is the whole world; a rank
+    outside the group gets NotInGroupError.
+
     Returns a new array or tensor of ``x``'s shape. Raises UnsupportedArgumentError
     (chunks do not split), CollectiveMismatchError, CollectiveTimeoutError,
     RankFailedError.
     """
-    world = current("alltoall")
+    world = world_for(group, "alltoall")
     buf = as_buffer(x, "alltoall")
     _check_chunks("alltoall", buf, world)
     world.enter("alltoall", buf, None, -1, _check_step("alltoall", step))
-    return _run(world, "alltoall", world.backend.alltoall, buf.data)
+    return buf.back(_run(world, "alltoall", world.backend.alltoall, buf.data))
 
 
-def barrier(*, step: int | None = None) -> None:
+def barrier(*, step: int | None = None, group: Group | None = None) -> None:
     """Wait until every rank has called ``barrier()``, bounded by the timeout.
 
-    ``step``: an optional int label, the same on every rank. Raises
+    ``step``: an optional int label, the same on every rank.
+
+    ``group``: a :class:`Group` from :func:`new_group` runs the call among its members
+    only (ranks and roots are group ranks); None (default) is the whole world; a rank
+    outside the group gets NotInGroupError.
+
+    Raises
     CollectiveMismatchError (a rank is in another collective or step),
     CollectiveTimeoutError (naming the ranks that never came), RankFailedError.
     """
-    world = current("barrier")
+    world = world_for(group, "barrier")
     world.enter("barrier", None, None, -1, _check_step("barrier", step))
     _run(world, "barrier", world.backend.barrier)
 
@@ -239,7 +277,7 @@ def _require_pickle(call: str, allow_pickle: bool) -> None:
         )
 
 
-def broadcast_object(obj: Any, root: int = 0, *, allow_pickle: bool = False) -> Any:
+def broadcast_object(obj: Any, root: int = 0, *, allow_pickle: bool = False, group: Group | None = None) -> Any:
     """Root's picklable ``obj`` on every rank (a copy made by unpickling, off the root).
 
     Arguments: ``obj`` (any picklable object; only root's is used), ``root`` (the
@@ -247,11 +285,15 @@ def broadcast_object(obj: Any, root: int = 0, *, allow_pickle: bool = False) -> 
     unpickling what a peer sent can run code, so this is opt-in; arrays and
     scalars need no pickle, use :func:`broadcast`).
 
+    ``group``: a :class:`Group` from :func:`new_group` runs the call among its members
+    only (ranks and roots are group ranks); None (default) is the whole world; a rank
+    outside the group gets NotInGroupError.
+
     Returns root's object. Raises UsageError without the opt-in,
     InvalidArgumentError for a bad root, CollectiveTimeoutError, RankFailedError.
     """
     _require_pickle("broadcast_object", allow_pickle)
-    world = current("broadcast_object")
+    world = world_for(group, "broadcast_object")
     _check_root("broadcast_object", root, world)
     world.enter("broadcast_object", None, None, root)
     payload = pickle.dumps(obj) if world.rank == root else None
@@ -259,18 +301,22 @@ def broadcast_object(obj: Any, root: int = 0, *, allow_pickle: bool = False) -> 
     return obj if world.rank == root else pickle.loads(data)  # noqa: S301 - opt-in, documented
 
 
-def allgather_object(obj: Any, *, allow_pickle: bool = False) -> list[Any]:
+def allgather_object(obj: Any, *, allow_pickle: bool = False, group: Group | None = None) -> list[Any]:
     """Every rank's picklable ``obj``, as a list in rank order.
 
     Arguments: ``obj`` (any picklable object, may differ in size between ranks),
     ``allow_pickle`` (must be True, or ``PHALANX_ALLOW_PICKLE=1``: unpickling what a
     peer sent can run code, so this is opt-in).
 
+    ``group``: a :class:`Group` from :func:`new_group` runs the call among its members
+    only (ranks and roots are group ranks); None (default) is the whole world; a rank
+    outside the group gets NotInGroupError.
+
     Returns a list of ``size()`` objects. Raises UsageError without the opt-in,
     CollectiveTimeoutError, RankFailedError.
     """
     _require_pickle("allgather_object", allow_pickle)
-    world = current("allgather_object")
+    world = world_for(group, "allgather_object")
     world.enter("allgather_object", None)
     parts = _run(world, "allgather_object", world.backend.allgather_bytes, pickle.dumps(obj))
     return [pickle.loads(p) for p in parts]  # noqa: S301 - opt-in, documented
