@@ -38,6 +38,7 @@ from ._errors import (
     LaunchError,
     MissingDependencyError,
     NonFiniteGradientError,
+    NotInGroupError,
     NotInitializedError,
     PhalanxError,
     RankFailedError,
@@ -50,6 +51,7 @@ from ._errors import (
     WorldBrokenError,
 )
 from ._gradients import allreduce_gradients
+from ._groups import Group, destroy_group, new_group, world_group
 from ._nonblocking import Handle, iallreduce, ibroadcast
 from ._output import RankFilter, print, setup_logging
 from ._settings import settings
@@ -84,7 +86,9 @@ __all__ = [
     "LaunchEnvironmentError",
     "LaunchError",
     "MissingDependencyError",
+    "Group",
     "NonFiniteGradientError",
+    "NotInGroupError",
     "NotInitializedError",
     "Op",
     "PhalanxError",
@@ -107,6 +111,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object",
+    "destroy_group",
     "device",
     "gather",
     "iallreduce",
@@ -115,6 +120,7 @@ __all__ = [
     "initialized",
     "local_rank",
     "local_size",
+    "new_group",
     "print",
     "rank",
     "reduce",
@@ -124,4 +130,5 @@ __all__ = [
     "shutdown",
     "size",
     "synchronize",
+    "world_group",
 ]

@@ -20,10 +20,11 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+from . import _trace
 from ._arrays import FLOAT_DTYPES, Buffer, as_buffer
 from ._errors import InvalidArgumentError, UnsupportedArgumentError, UsageError
-from ._settings import settings
 from ._groups import Group, world_for
+from ._settings import settings
 from ._world import World, current
 from .comm._base import OPS, Op
 
@@ -79,7 +80,10 @@ def _check_chunks(call: str, buf: Buffer, world: World) -> None:
 
 def _run(world: World, call: str, fn: Any, *args: Any) -> Any:
     with world.guard(call):
-        return fn(*args, world.timeout)
+        result = fn(*args, world.timeout)
+    if _trace.ON:
+        _trace.end(world)
+    return result
 
 
 def allreduce(x: Any, op: Op = "sum", *, step: int | None = None, group: Group | None = None) -> Any:
@@ -115,6 +119,8 @@ def allreduce(x: Any, op: Op = "sum", *, step: int | None = None, group: Group |
     world.enter("allreduce", buf, op, -1, step)
     with world.guard("allreduce"):
         result = world.backend.allreduce(buf.data, op, buf.inplace, world.timeout)
+    if _trace.ON:
+        _trace.end(world)
     return result if buf.scalar is None else buf.finish(result)
 
 

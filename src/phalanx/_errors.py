@@ -20,6 +20,7 @@ __all__ = [
     "LaunchError",
     "MissingDependencyError",
     "NonFiniteGradientError",
+    "NotInGroupError",
     "NotInitializedError",
     "PhalanxError",
     "RankFailedError",
@@ -171,3 +172,13 @@ class SimulatedHostsUnavailableError(PhalanxError, RuntimeError):
     """:func:`phalanx.testing.simulated_hosts` cannot build hosts here: not root, not Linux, a tool
     (``ip``, ``nsenter``, ``unshare``, ``tc``) missing, or the kernel refused a namespace; the
     message says which and what the system answered."""
+
+
+class NotInGroupError(UsageError):
+    """A collective was called with ``group=g`` on a rank that is not a member of ``g``."""
+
+
+class GradientSyncOrderError(UsageError, AssertionError):
+    """A Horovod-style ``DistributedOptimizer`` was used out of order: ``zero_grad()`` after backward but
+    before ``step()``/``synchronize()``, more backward passes than ``backward_passes_per_step`` before
+    ``step()``, or ``skip_synchronize()`` with Adasum (an ``AssertionError`` too, as Horovod raises)."""

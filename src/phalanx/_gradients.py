@@ -35,11 +35,12 @@ import numpy as np
 from ._arrays import UnsupportedArgumentError
 from ._collectives import allreduce
 from ._errors import InvalidArgumentError
+from ._groups import Group
 
 __all__ = ["allreduce_gradients"]
 
 
-def allreduce_gradients(model_or_grads: Any, op: str = "avg") -> Any:
+def allreduce_gradients(model_or_grads: Any, op: str = "avg", *, group: Group | None = None) -> Any:
     """Average (or sum) gradients across ranks in place, and return what was passed.
 
     ::
@@ -56,6 +57,8 @@ def allreduce_gradients(model_or_grads: Any, op: str = "avg") -> Any:
             dict of NumPy arrays / torch tensors (writable, reduced in place). Every
             rank must pass the same structure, shapes and dtypes.
         op: ``"avg"`` (default: the mean over ranks) or ``"sum"``.
+        group: a :class:`phalanx.Group`: reduce over its members only (the mean over
+            the group); None (default) is the whole world.
 
     One fused allreduce per dtype and device. This is the simple, blocking form;
     ``phalanx.torch.DistributedOptimizer`` and ``DataParallel`` overlap the
@@ -72,7 +75,7 @@ def allreduce_gradients(model_or_grads: Any, op: str = "avg") -> Any:
                                    "ranks, the default) or op='sum'.")
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(model_or_grads, torch.nn.Module):
-        _reduce_module(torch, model_or_grads, op)
+        _reduce_module(torch, model_or_grads, op, group)
         return model_or_grads
     if isinstance(model_or_grads, (np.ndarray, str, bytes)) or (
             torch is not None and isinstance(model_or_grads, torch.Tensor)):
@@ -89,14 +92,14 @@ def allreduce_gradients(model_or_grads: Any, op: str = "avg") -> Any:
     for key, indices in groups.items():
         items = [values[i] for i in indices]
         if key[0] == "numpy":
-            flat = allreduce(np.concatenate([a.ravel() for a in items]), op=op)
+            flat = allreduce(np.concatenate([a.ravel() for a in items]), op=op, group=group)
             offset = 0
             for a in items:
                 np.copyto(a, flat[offset:offset + a.size].reshape(a.shape))
                 offset += a.size
         else:
             with torch.no_grad():
-                flat = allreduce(torch.cat([t.reshape(-1) for t in items]), op=op)
+                flat = allreduce(torch.cat([t.reshape(-1) for t in items]), op=op, group=group)
                 parts = torch.split(flat, [t.numel() for t in items])
                 torch._foreach_copy_(items, [part.view(t.shape) for part, t in zip(parts, items, strict=True)])
     return model_or_grads if isinstance(model_or_grads, Mapping) else values
@@ -117,7 +120,7 @@ def _check_leaf(torch: Any, i: int, g: Any) -> None:
         "pass the module itself).")
 
 
-def _reduce_module(torch: Any, model: Any, op: str) -> None:
+def _reduce_module(torch: Any, model: Any, op: str, group: Group | None = None) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     groups: dict[tuple[Any, Any], list[Any]] = {}
     for p in params:
@@ -138,7 +141,7 @@ def _reduce_module(torch: Any, model: Any, op: str) -> None:
                 else:
                     part.copy_(p.grad.reshape(-1))
                 offset += p.numel()
-            allreduce(flat, op=op)
+            allreduce(flat, op=op, group=group)
             seen = presence.tolist()
             offset = 0
             for j, p in enumerate(members):

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import _trace
 from ._arrays import Buffer, as_buffer
 from ._collectives import _check_op, _check_root, _check_step
 from ._errors import PhalanxError
-from ._world import World, current
+from ._groups import Group, world_for
+from ._world import World
 from .comm._base import Op, Request
 
 __all__ = ["Handle", "iallreduce", "ibroadcast"]
@@ -47,6 +49,8 @@ class Handle:
         self._result: Any = None
         self._done = False
         self._error: PhalanxError | None = None  # how it failed, re-raised by every later wait/test
+        if _trace.ON:
+            _trace.span_begin(self, call, buf, start.op, start.root)
         if agreement is None:
             self._request = start()
         else:
@@ -103,6 +107,8 @@ class Handle:
                 self._error = exc
                 raise
             self._done = True
+            if _trace.ON:
+                _trace.span_end(self)
         return self._result
 
 
@@ -119,7 +125,7 @@ class _Start:
         return self.fn(*self.args)
 
 
-def iallreduce(x: Any, op: Op = "sum", *, step: int | None = None) -> Handle:
+def iallreduce(x: Any, op: Op = "sum", *, step: int | None = None, group: Group | None = None) -> Handle:
     """Start a sum (or other ``op``) over all ranks without waiting: ``handle.wait()`` returns it.
 
     >>> h = phalanx.iallreduce(grads)   # ... compute meanwhile ...
@@ -132,6 +138,9 @@ def iallreduce(x: Any, op: Op = "sum", *, step: int | None = None) -> Handle:
         op: ``"sum"``, ``"prod"``, ``"min"``, ``"max"`` or ``"avg"`` (floats only; on
             bool, ``"min"`` is logical and, ``"max"`` logical or).
         step: an optional int label (e.g. the training step), the same on every rank.
+        group: a :class:`Group` from :func:`new_group`: run among its members only
+            (roots are group ranks); None (default) is the whole world; a rank outside
+            the group gets NotInGroupError.
 
     Returns a :class:`Handle` whose ``wait()`` gives the reduced value, of ``x``'s
     type. Handles complete in the order they were started, on every rank; a
@@ -142,7 +151,7 @@ def iallreduce(x: Any, op: Op = "sum", *, step: int | None = None) -> Handle:
     ``wait()``/``test()`` CollectiveMismatchError (ranks passed different shapes,
     dtypes, ops or steps), CollectiveTimeoutError and RankFailedError.
     """
-    world = current("iallreduce")
+    world = world_for(group, "iallreduce")
     buf = as_buffer(x, "iallreduce")
     _check_op("iallreduce", op, buf)
     start = _Start(world.backend.iallreduce, (buf.data, op, buf.inplace), op, -1,
@@ -150,7 +159,8 @@ def iallreduce(x: Any, op: Op = "sum", *, step: int | None = None) -> Handle:
     return _start_handle(world, "iallreduce", buf, start)
 
 
-def ibroadcast(x: Any, root: int = 0, *, step: int | None = None) -> Handle:
+def ibroadcast(x: Any, root: int = 0, *, step: int | None = None,
+               group: Group | None = None) -> Handle:
     """Start sending ``root``'s ``x`` to every rank without waiting: ``handle.wait()`` returns it.
 
     Arguments:
@@ -158,6 +168,9 @@ def ibroadcast(x: Any, root: int = 0, *, step: int | None = None) -> Handle:
             rank; arrays and tensors are overwritten in place once done.
         root: the sending rank, the same on every rank.
         step: an optional int label (e.g. the training step), the same on every rank.
+        group: a :class:`Group` from :func:`new_group`: run among its members only
+            (roots are group ranks); None (default) is the whole world; a rank outside
+            the group gets NotInGroupError.
 
     Returns a :class:`Handle` whose ``wait()`` gives root's value, of ``x``'s type;
     handles complete in the order they were started, on every rank.
@@ -167,7 +180,7 @@ def ibroadcast(x: Any, root: int = 0, *, step: int | None = None) -> Handle:
     CollectiveMismatchError (ranks disagree on shape, dtype, root or step),
     CollectiveTimeoutError and RankFailedError.
     """
-    world = current("ibroadcast")
+    world = world_for(group, "ibroadcast")
     buf = as_buffer(x, "ibroadcast")
     _check_root("ibroadcast", root, world)
     start = _Start(world.backend.ibroadcast, (buf.data, root, buf.inplace), None, root,

@@ -18,6 +18,9 @@ lists, tuples, namedtuples and dataclasses:
   optimizer's current lr lives in the optimizer: synchronize both.
 * Tensors and NumPy arrays (in place; a read-only array gets a new one),
   Python ``bool``/``int``/``float`` and NumPy scalars (new values).
+* JAX arrays, inside any JAX pytree (params, optax states, flax ``nnx``
+  state, equinox modules): new arrays on the same device, in a new pytree
+  (JAX arrays are immutable; GPU arrays are staged through host memory).
 * Anything else (str, None, functions, other objects) is left as it is.
 
 Cost: before any data moves, the ranks agree on a hash of the structure
@@ -38,11 +41,11 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import UnsupportedArgumentError
+from ._arrays import UnsupportedArgumentError, is_jax_array, jax_host_view
 from ._collectives import allreduce, broadcast
 from ._errors import CollectiveMismatchError, InvalidArgumentError
-from ._tree import Node, flatten, unflatten
-from ._world import current
+from ._groups import Group, world_for
+from ._tree import Node, flatten, jax_node, unflatten
 
 __all__ = ["synchronize"]
 
@@ -65,7 +68,7 @@ class _Leaf:
                  note: str = "") -> None:
         self.path = path
         self.value = value
-        self.kind = kind  # tensor | ndarray | bool | int | float | npscalar | skip | unsupported
+        self.kind = kind  # tensor | ndarray | jax | bool | int | float | npscalar | skip | unsupported
         self.dtype = dtype
         self.shape = shape
         self.place = place  # "host", or a device slot like "cuda#0"
@@ -81,7 +84,7 @@ class _Leaf:
         return [self.path, self.kind, self.dtype, shape, self.place]
 
 
-def synchronize(obj: Any, root: int = 0) -> Any:
+def synchronize(obj: Any, root: int = 0, *, group: Group | None = None) -> Any:
     """Make every rank hold ``root``'s values of ``obj``; return the synchronized object.
 
     >>> model = phalanx.synchronize(model)   # parameters and buffers, in place
@@ -97,6 +100,8 @@ def synchronize(obj: Any, root: int = 0) -> Any:
             scalars. Anything else (str, None, functions, other objects) is left
             as it is. The same structure (keys, shapes, dtypes, devices) on every rank.
         root: the rank whose values every rank ends up with, the same on every rank.
+        group: a :class:`phalanx.Group`: synchronize among its members only, from
+            its group rank ``root``; None (default) is the whole world.
 
     Returns ``obj`` synchronized: mutable things (tensors, arrays, modules,
     optimizers, dicts, lists, dataclasses) are updated in place and returned;
@@ -110,14 +115,14 @@ def synchronize(obj: Any, root: int = 0) -> Any:
     usable), UnsupportedArgumentError (a leaf that cannot be sent, e.g. an object
     array), CollectiveTimeoutError and RankFailedError (a rank never came or died).
     """
-    world = current("synchronize")
+    world = world_for(group, "synchronize")
     if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < world.size:
         raise InvalidArgumentError(f"phalanx.synchronize: root={root!r} is not a rank of this world "
                          f"(ranks 0..{world.size - 1}).")
     pairs, spec = flatten(obj, _expand, "obj")
     leaves = _classify(pairs)
     if world.size > 1:
-        _agree(leaves, root, world.size)
+        _agree(leaves, root, world.size, group)
     bad = [leaf for leaf in leaves if leaf.kind == "unsupported"]
     if bad:  # every rank has the same ones (the agreement compared them), so every rank raises
         raise UnsupportedArgumentError(
@@ -126,13 +131,17 @@ def synchronize(obj: Any, root: int = 0) -> Any:
     values = [leaf.value for leaf in leaves]
     if world.size > 1:
         for bucket in _buckets(leaves):
-            _move(bucket, leaves, values, root, world.rank == root)
+            _move(bucket, leaves, values, root, world.rank == root, group)
     return unflatten(spec, values)
 
 
 # -- what is inside modules, optimizers and schedulers ----------------------------------------
 
 def _expand(x: Any) -> Node | None:
+    if "jax" in sys.modules:  # JAX pytree nodes (optax states, nnx state, equinox modules)
+        node = jax_node(x)
+        if node is not None:
+            return node
     torch = sys.modules.get("torch")
     if torch is None:  # nothing can be a torch object
         return None
@@ -187,6 +196,8 @@ def _classify(pairs: list[tuple[str, Any]]) -> list[_Leaf]:
     for path, x in pairs:
         if torch is not None and isinstance(x, torch.Tensor):
             leaves.append(_tensor_leaf(torch, path, x, slots))
+        elif is_jax_array(x):
+            leaves.append(_jax_leaf(path, x))
         elif isinstance(x, np.ndarray):
             if x.dtype.kind in _NUMERIC_KINDS:
                 dtype = x.dtype.name if x.dtype.isnative else x.dtype.str
@@ -228,20 +239,28 @@ def _tensor_leaf(torch: Any, path: str, t: Any, slots: dict[str, str]) -> _Leaf:
     return _Leaf(path, t, "tensor", dtype, tuple(t.shape), place, t.numel() * t.element_size())
 
 
+def _jax_leaf(path: str, x: Any) -> _Leaf:
+    """A JAX array: moved through host memory (staged for a GPU array), returned as a new array."""
+    if isinstance(x, sys.modules["jax"].core.Tracer):
+        return _Leaf(path, x, "unsupported", "traced",
+                     note="a traced JAX value (inside jax.jit); synchronize outside the jitted function")
+    return _Leaf(path, x, "jax", str(x.dtype), tuple(x.shape), "host", int(x.nbytes))
+
+
 # -- agreement and diagnosis --------------------------------------------------------------------
 
-def _agree(leaves: list[_Leaf], root: int, size: int) -> None:
+def _agree(leaves: list[_Leaf], root: int, size: int, group: Group | None = None) -> None:
     """One allreduce of a hash of the structure; on a difference, every rank raises the same error."""
     text = json.dumps([root, [leaf.key() for leaf in leaves]], separators=(",", ":"))
     digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & _MASK
     # max of (d, -d) equals (d, -d) on a rank iff every rank sent the same d.
-    seen = allreduce(np.array([digest, -digest], np.int64), op="max")
+    seen = allreduce(np.array([digest, -digest], np.int64), op="max", group=group)
     if int(seen[0]) != digest or int(seen[1]) != -digest:
-        _explain(leaves, root, size)
+        _explain(leaves, root, size, group)
 
 
-def _explain(leaves: list[_Leaf], root: int, size: int) -> None:
-    tables = current("synchronize").allgather_json(
+def _explain(leaves: list[_Leaf], root: int, size: int, group: Group | None = None) -> None:
+    tables = world_for(group, "synchronize").allgather_json(
         "synchronize", {"root": root, "entries": [[*leaf.key(), leaf.note] for leaf in leaves]})
     roots = [t["root"] for t in tables]
     if len(set(roots)) > 1:
@@ -272,6 +291,8 @@ def _describe(entry: list[Any] | None) -> str:
         return f"{note} (not synchronized)"
     if kind == "unsupported":
         return f"{note} (cannot be sent)"
+    if kind == "jax":
+        return f"a {dtype}{shape} JAX array"
     if kind in ("tensor", "ndarray"):
         where = f" on {'the CPU' if place == 'host' else place}" if kind == "tensor" else ""
         return f"a {dtype}{shape} {'torch tensor' if kind == 'tensor' else 'NumPy array'}{where}"
@@ -339,19 +360,20 @@ def _buckets(leaves: list[_Leaf]) -> list[_Bucket]:
     return buckets
 
 
-def _move(bucket: _Bucket, leaves: list[_Leaf], values: list[Any], root: int, is_root: bool) -> None:
+def _move(bucket: _Bucket, leaves: list[_Leaf], values: list[Any], root: int, is_root: bool,
+          group: Group | None = None) -> None:
     if bucket.direct:
         i = bucket.items[0][0]
         view = _byte_view(leaves[i].value)
         if view is not None:  # its own memory: broadcast straight into it
-            broadcast(view, root)
+            broadcast(view, root, group=group)
             return
     if bucket.place == "host":
         flat: Any = np.empty(bucket.total, np.uint8)
         if is_root:
             for i, off in bucket.items:
                 flat[off:off + leaves[i].nbytes] = _host_bytes(leaves[i].value)
-        broadcast(flat, root)
+        broadcast(flat, root, group=group)
         if not is_root:
             for i, off in bucket.items:
                 values[i] = _host_store(leaves[i], flat[off:off + leaves[i].nbytes])
@@ -363,7 +385,7 @@ def _move(bucket: _Bucket, leaves: list[_Leaf], values: list[Any], root: int, is
         if is_root:
             for i, off in bucket.items:
                 flat[off:off + leaves[i].nbytes].copy_(_tensor_bytes(leaves[i].value))
-        broadcast(flat, root)
+        broadcast(flat, root, group=group)
         if not is_root:
             for i, off in bucket.items:
                 t = leaves[i].value
@@ -372,6 +394,8 @@ def _move(bucket: _Bucket, leaves: list[_Leaf], values: list[Any], root: int, is
 
 def _byte_view(x: Any) -> Any:
     """A writable uint8 view of all of ``x``'s memory, or None when it has none (a copy is needed)."""
+    if is_jax_array(x):  # immutable: root's bytes land in a buffer, then a new array
+        return None
     if isinstance(x, np.ndarray):
         return x.reshape(-1).view(np.uint8) if x.flags.c_contiguous and x.flags.writeable else None
     torch = sys.modules["torch"]
@@ -392,6 +416,8 @@ def _host_bytes(x: Any) -> np.ndarray:
         return np.array([x], _SCALARS[type(x)][1]).view(np.uint8)
     if isinstance(x, np.generic):
         return np.array(x).reshape(-1).view(np.uint8)
+    if is_jax_array(x):
+        return jax_host_view(x, "synchronize").reshape(-1).view(np.uint8)
     return _tensor_bytes(x).cpu().numpy()
 
 
@@ -409,6 +435,9 @@ def _host_store(leaf: _Leaf, chunk: np.ndarray) -> Any:
             x[...] = new
             return x
         return new.copy()  # a read-only array gets a new one, as phalanx.broadcast does
+    if kind == "jax":
+        device = next(iter(x.sharding.device_set))
+        return sys.modules["jax"].device_put(chunk.view(x.dtype).reshape(x.shape).copy(), device)
     if kind == "npscalar":
         return chunk.view(x.dtype)[0]
     if kind == "bool":

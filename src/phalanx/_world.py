@@ -23,8 +23,9 @@ import warnings
 import zlib
 from collections import deque
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+from . import _trace
 from ._agreement import call_site, mismatch_error, timeout_error, where
 from ._arrays import Buffer
 from ._devices import rank_device
@@ -56,7 +57,8 @@ __all__ = [
 CALLS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "reduce_scatter", "alltoall",
          "barrier", "iallreduce", "ibroadcast", "broadcast_object", "allgather_object", "shutdown",
          # the gradient engine's step agreements (phalanx.torch, check_steps)
-         "torch.DistributedOptimizer", "torch.DistributedOptimizer.step", "torch.DataParallel")
+         "torch.DistributedOptimizer", "torch.DistributedOptimizer.step", "torch.DataParallel",
+         "new_group", "destroy_group")
 CALL_CODES = {name: i for i, name in enumerate(CALLS)}
 OP_CODES = {name: i for i, name in enumerate(OPS)}
 _MASK = (1 << 62) - 1
@@ -99,6 +101,8 @@ class World:
         self.calls = 0  # collectives entered so far on this rank
         self.broken: str | None = None
         self.pending: deque[Handle] = deque()
+        self.groups: list[Any] = []  # the live groups phalanx.new_group made in this world (_groups.py)
+        self.groups_made, self.world_group = 0, cast(Any, None)
 
     def guard(self, call: str) -> _Guard:
         """A context in which the backend's timeouts and lost peers become phalanx errors for ``call``."""
@@ -121,6 +125,8 @@ class World:
         if self.broken is not None or self.pending:
             self.ready(call)
         self.calls += 1
+        if _trace.ON:
+            _trace.begin(self, call, buf, op, root)
         if not self.check:
             return
         if buf is None or self.debug or step is not None:
@@ -340,6 +346,10 @@ def shutdown() -> None:
     except PhalanxError as exc:  # the peers failed or never came: leave anyway, quickly
         world.broken = world.broken or f"shutdown failed: {type(exc).__name__}"
     finally:
+        if world.groups:
+            from ._groups import release_groups
+
+            release_groups(world)
         world.backend.shutdown()
 
 

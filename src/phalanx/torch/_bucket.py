@@ -27,8 +27,9 @@ import torch
 from torch.autograd import Variable
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .. import _trace
 from .._errors import InvalidArgumentError, UsageError
-from .._world import current
+from .._groups import world_for
 from ._common import Compression, GradientOp, backend_call, verify_same_structure
 from ._finite import NonFinitePolicy, any_set, check_and_scale, nonfinite_error, ranks_with
 
@@ -79,20 +80,22 @@ class GradientBuckets:
         passes_per_reduction: backward passes that accumulate locally before
             one reduces (set :attr:`sync` to False for passes that must not
             count, as ``no_sync()`` does).
+        group: a :class:`phalanx.Group` to reduce over (its members only; ``avg``
+            is the mean over the group), or None for the whole world.
 
     Internal: the wrappers own one each; users never build it.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], *, call: str, op: GradientOp = "avg",
                  bucket_cap_mb: float = 25, compression: Compression | None = None,
-                 passes_per_reduction: int = 1) -> None:
+                 passes_per_reduction: int = 1, group: Any = None) -> None:
         check_options(call, op, bucket_cap_mb, compression)
         self.call = call
-        self._world = world = current(call)
+        self._world = world = world_for(group, call)
         pairs = [(p, n) for p, n in zip(params, names, strict=True) if p.requires_grad]
         self._params = [p for p, _ in pairs]
         verify_same_structure(call, [f"{n} {str(p.dtype)[6:]}{list(p.shape)} {p.device.type}"
-                                     for p, n in pairs])
+                                     for p, n in pairs], group=group)
         self._scale = 1.0 / world.size if op == "avg" else 1.0
         self.sync = True
         self.passes_per_reduction = passes_per_reduction
@@ -243,6 +246,8 @@ class GradientBuckets:
     def _progress(self) -> None:
         t = self._tested
         while t < self._launched and self._buckets[t].request.test():
+            if _trace.ON:
+                _trace.bucket_done(self._buckets[t])
             t += 1
         self._tested = t
 
@@ -268,6 +273,8 @@ class GradientBuckets:
         send = bucket.flat if bucket.wire is None else bucket.wire.copy_(bucket.flat)
         world = self._world
         bucket.request = backend_call(world, self.call, world.backend.iallreduce, send, "sum", True)
+        if _trace.ON:
+            _trace.bucket_launch(bucket, self.call, b, send, len(bucket.params))
         self._launched = b + 1
         self._open = True
 
@@ -288,6 +295,8 @@ class GradientBuckets:
         world = self._world
         backend_call(world, self.call, bucket.request.wait, world.timeout)
         bucket.request = None
+        if _trace.ON:
+            _trace.bucket_done(bucket)
         if bucket.wire is not None:
             bucket.flat.copy_(bucket.wire)
         if bucket.absent:

@@ -21,7 +21,8 @@ import numpy as np
 
 from .._collectives import allreduce
 from .._errors import CollectiveMismatchError
-from .._world import World, current
+from .._groups import world_for
+from .._world import World
 
 __all__ = ["Compression", "GradientOp", "backend_call", "verify_same_structure"]
 
@@ -33,18 +34,18 @@ Compression = Literal["bf16", "fp16"]
 _MASK = (1 << 62) - 1
 
 
-def verify_same_structure(call: str, entries: list[str], what: str = "parameter") -> None:
+def verify_same_structure(call: str, entries: list[str], what: str = "parameter", group: Any = None) -> None:
     """Raise the same CollectiveMismatchError on every rank unless every rank passed ``entries``.
 
     One small allreduce of a hash; the descriptions are exchanged only when
-    the hashes differ, to name the first differing entry.
+    the hashes differ, to name the first differing entry. ``group``: among its members only.
     """
-    world = current(call)
+    world = world_for(group, call)
     if world.size == 1:
         return
     digest = hashlib.blake2b("\n".join(entries).encode(), digest_size=8).digest()
     mine = int.from_bytes(digest, "little") & _MASK
-    agreed = allreduce(np.array([mine, -mine], np.int64), op="max")
+    agreed = allreduce(np.array([mine, -mine], np.int64), op="max", group=group)
     if int(agreed[0]) == mine and int(agreed[1]) == -mine:
         return
     lists: list[list[str]] = world.allgather_json(call, entries)

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from .._errors import InvalidArgumentError, UsageError
+from .._groups import Group, world_for
 from .._sync import synchronize
-from .._world import current
 from ._bucket import GradientBuckets, check_options
 from ._common import Compression, GradientOp
 from ._finite import NonFinitePolicy, check_policy
@@ -66,6 +66,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``1/size`` scaling); ``None`` (default) full precision.
         backward_passes_per_step: ``k`` backward passes accumulate locally
             and the ``k``-th reduces (or use :meth:`no_sync`).
+        group: a :class:`phalanx.Group` (``phalanx.new_group``): reduce and
+            broadcast among its members only (``"avg"`` is the mean over the
+            group, the broadcast is from its group rank 0); None (default) is
+            the whole world. Only members may make it.
 
     Set-up:
         broadcast_parameters: start from rank 0's parameters and optimizer
@@ -103,7 +107,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  compression: Compression | None = None, backward_passes_per_step: int = 1,
                  broadcast_parameters: bool = True,
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-                 nonfinite: NonFinitePolicy | None = None, check_steps: bool | None = None) -> None:
+                 nonfinite: NonFinitePolicy | None = None, check_steps: bool | None = None,
+                 group: Group | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DistributedOptimizer):
             raise InvalidArgumentError(
                 f"phalanx.{_CALL}(optimizer={type(optimizer).__name__}): pass a plain torch optimizer, "
@@ -127,7 +132,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passes = k
         self._names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
         self._nonfinite = check_policy(_CALL, nonfinite)
-        self._check_steps = current(_CALL).debug if check_steps is None else bool(check_steps)
+        self._group = group
+        self._check_steps = world_for(group, _CALL).debug if check_steps is None else bool(check_steps)
         self._engine = self._make_engine()  # first: it checks that the ranks wrap the same parameters
         if broadcast_parameters:
             self._broadcast(self._all_params())
@@ -168,7 +174,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _broadcast(self, params: list[torch.Tensor]) -> None:
         with torch.no_grad():
-            synchronize({"parameters": params, "optimizer": self.optimizer}, root=0)
+            synchronize({"parameters": params, "optimizer": self.optimizer}, root=0, group=self._group)
 
     def _make_engine(self) -> GradientBuckets:
         params, names = [], []
@@ -176,7 +182,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for k, p in enumerate(group["params"]):
                 params.append(p)
                 names.append(self._names.get(id(p), f"param_groups[{g}]['params'][{k}]"))
-        engine = GradientBuckets(params, names, call=_CALL, passes_per_reduction=self._passes, **self._options)
+        engine = GradientBuckets(params, names, call=_CALL, passes_per_reduction=self._passes, group=self._group,
+                                 **self._options)
         engine.on_nonfinite = self._nonfinite
         engine.check_finite = self._nonfinite is not None
         engine.check_steps = self._check_steps

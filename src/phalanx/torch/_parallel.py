@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from .._groups import Group, world_for
 from .._sync import synchronize
-from .._world import current
 from ._bucket import GradientBuckets, check_options
 from ._common import Compression, GradientOp, backend_call
 from ._finite import NonFinitePolicy, check_policy
@@ -76,6 +76,8 @@ class DataParallel(torch.nn.Module):
         bucket_cap_mb: bucket size in MB (default 25).
         compression: ``"bf16"``/``"fp16"`` send 16-bit gradients; ``None``
             (default) full precision.
+        group: a :class:`phalanx.Group`: reduce among its members only (rank 0
+            is its group rank 0); None (default) is the whole world.
 
     Buffers:
         broadcast_buffers: broadcast rank 0's buffers (BatchNorm statistics,
@@ -110,21 +112,22 @@ class DataParallel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, *, op: GradientOp = "avg", bucket_cap_mb: float = 25,
                  compression: Compression | None = None, broadcast_buffers: bool = True,
-                 nonfinite: NonFinitePolicy | None = None, check_steps: bool | None = None) -> None:
+                 nonfinite: NonFinitePolicy | None = None, check_steps: bool | None = None,
+                 group: Group | None = None) -> None:
         super().__init__()
         check_options(_CALL, op, bucket_cap_mb, compression)
         check_policy(_CALL, nonfinite)
         self.module = module
         self.broadcast_buffers = bool(broadcast_buffers)
-        self._world = current(_CALL)
+        self._world = world_for(group, _CALL)
         named = list(module.named_parameters())
         # The engine first: it checks that the ranks wrap the same parameters, naming the first difference.
         self._engine = GradientBuckets([p for _, p in named], [n for n, _ in named], call=_CALL, op=op,
-                                       bucket_cap_mb=bucket_cap_mb, compression=compression)
+                                       bucket_cap_mb=bucket_cap_mb, compression=compression, group=group)
         self.nonfinite = nonfinite
         self._engine.check_steps = self._world.debug if check_steps is None else bool(check_steps)
         with torch.no_grad():
-            synchronize(module, root=0)  # rank 0's parameters and buffers
+            synchronize(module, root=0, group=group)  # rank 0's parameters and buffers
         buffers = list(module.buffers())
         self._pack = _BufferPack(buffers) if buffers and self._world.size > 1 else None
         self._require_sync = True
