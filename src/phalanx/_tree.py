@@ -11,6 +11,8 @@ they sort, so ranks that built a dict in a different order still agree),
 ``list``, ``tuple``, namedtuple and dataclass instances. Everything else is a
 leaf, unless the caller's ``expand`` hook returns a :class:`Node` for it (that
 is how :func:`phalanx.synchronize` sees inside modules and optimizers).
+:func:`jax_node` is such a hook for JAX pytrees (optax states, flax ``nnx``
+state, equinox modules: any registered pytree node), used once jax is imported.
 
 ``unflatten`` updates mutable containers in place (dict, list, non-frozen
 dataclass) and returns them; tuples, namedtuples and frozen dataclasses are
@@ -22,12 +24,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from ._errors import InvalidArgumentError
 
-__all__ = ["Node", "TreeSpec", "flatten", "unflatten"]
+__all__ = ["Node", "TreeSpec", "flatten", "jax_node", "unflatten"]
 
 
 class Node:
@@ -163,3 +166,30 @@ def _update_fields(x: Any, names: list[str]) -> Callable[[list[Any]], Any]:
                 setattr(target, n, v)
         return target
     return rebuild
+
+
+_BUILTIN = (dict, list, tuple)
+
+
+def jax_node(x: Any) -> Node | None:
+    """The :class:`Node` of a registered JAX pytree node (not dict/list/tuple), or ``None``.
+
+    Path suffixes are JAX's own key strings (``.weight``, ``['w']``); the
+    rebuilt node is JAX's unflatten of the new children (the same object when
+    no child changed). ``None`` and arrays are leaves. jax is never imported here.
+    """
+    jax = sys.modules.get("jax")
+    if jax is None or x is None or isinstance(x, _BUILTIN) or isinstance(x, jax.Array):
+        return None
+    tu = jax.tree_util
+    pairs, treedef = tu.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)
+    if tu.treedef_is_leaf(treedef):
+        return None
+    children = [child for _, child in pairs]
+
+    def rebuild(values: list[Any]) -> Any:
+        if all(a is b for a, b in zip(children, values, strict=True)):
+            return x
+        return tu.tree_unflatten(treedef, values)
+
+    return Node([tu.keystr(path) for path, _ in pairs], children, rebuild)
