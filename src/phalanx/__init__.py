@@ -34,6 +34,7 @@ from ._errors import (
     ImageReadError,
     InvalidArgumentError,
     InvalidSettingError,
+    JobFailedError,
     LaunchEnvironmentError,
     LaunchError,
     MissingDependencyError,
@@ -56,6 +57,7 @@ from ._nonblocking import Handle, iallreduce, ibroadcast
 from ._output import RankFilter, print, setup_logging
 from ._settings import settings
 from ._sync import synchronize
+from ._trace import start_trace, stop_trace
 from ._world import (
     backend,
     device,
@@ -83,6 +85,7 @@ __all__ = [
     "ImageReadError",
     "InvalidArgumentError",
     "InvalidSettingError",
+    "JobFailedError",
     "LaunchEnvironmentError",
     "LaunchError",
     "MissingDependencyError",
@@ -129,6 +132,8 @@ __all__ = [
     "setup_logging",
     "shutdown",
     "size",
+    "start_trace",
+    "stop_trace",
     "synchronize",
     "world_group",
 ]

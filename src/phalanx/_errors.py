@@ -16,6 +16,7 @@ __all__ = [
     "ImageReadError",
     "InvalidSettingError",
     "InvalidArgumentError",
+    "JobFailedError",
     "LaunchEnvironmentError",
     "LaunchError",
     "MissingDependencyError",
@@ -182,3 +183,17 @@ class GradientSyncOrderError(UsageError, AssertionError):
     """A Horovod-style ``DistributedOptimizer`` was used out of order: ``zero_grad()`` after backward but
     before ``step()``/``synchronize()``, more backward passes than ``backward_passes_per_step`` before
     ``step()``, or ``skip_synchronize()`` with Adasum (an ``AssertionError`` too, as Horovod raises)."""
+
+
+class JobFailedError(PhalanxError, RuntimeError):
+    """A job that :func:`phalanx.horovod.run` started failed: a rank raised, died or returned nothing.
+
+    The message names the first failing rank and shows its traceback (a ``RuntimeError``, as
+    ``horovod.run`` raises). ``returncode``: the launcher's exit status; ``report``: what the
+    launcher said about the failure.
+    """
+
+    def __init__(self, message: str, *, returncode: int | None = None, report: str = "") -> None:
+        super().__init__(message)
+        self.returncode = returncode
+        self.report = report
