@@ -36,6 +36,7 @@ from ._arrays import UnsupportedArgumentError
 from ._collectives import allreduce
 from ._errors import InvalidArgumentError
 from ._groups import Group
+from ._pytrees import has_jax_leaves, reduce_jax_tree
 
 __all__ = ["allreduce_gradients"]
 
@@ -54,8 +55,10 @@ def allreduce_gradients(model_or_grads: Any, op: str = "avg", *, group: Group | 
         model_or_grads: a ``torch.nn.Module`` (the gradients of its trainable
             parameters: a parameter without a gradient on this rank contributes
             zeros and gets the reduced gradient if any rank had one), or a list or
-            dict of NumPy arrays / torch tensors (writable, reduced in place). Every
-            rank must pass the same structure, shapes and dtypes.
+            dict of NumPy arrays / torch tensors (writable, reduced in place), or a
+            JAX pytree (JAX arrays are immutable: a new pytree is returned, its
+            non-array leaves left alone). Every rank must pass the same structure,
+            shapes and dtypes.
         op: ``"avg"`` (default: the mean over ranks) or ``"sum"``.
         group: a :class:`phalanx.Group`: reduce over its members only (the mean over
             the group); None (default) is the whole world.
@@ -64,7 +67,8 @@ def allreduce_gradients(model_or_grads: Any, op: str = "avg", *, group: Group | 
     ``phalanx.torch.DistributedOptimizer`` and ``DataParallel`` overlap the
     reduction with backward.
 
-    Returns the module, the list, or the dict that was passed. Raises
+    Returns the module, the list, or the dict that was passed (a new pytree for
+    JAX gradients; inside ``jax.jit`` use ``phalanx.jax.allreduce_gradients``). Raises
     InvalidArgumentError (another op), UnsupportedArgumentError (a single array,
     a read-only array, or a leaf that is not an array or tensor), and what
     :func:`phalanx.allreduce` raises (CollectiveMismatchError when ranks pass
@@ -77,6 +81,8 @@ def allreduce_gradients(model_or_grads: Any, op: str = "avg", *, group: Group | 
     if torch is not None and isinstance(model_or_grads, torch.nn.Module):
         _reduce_module(torch, model_or_grads, op, group)
         return model_or_grads
+    if has_jax_leaves(model_or_grads):  # JAX pytrees: new arrays back (phalanx._pytrees)
+        return reduce_jax_tree(model_or_grads, op, group)
     if isinstance(model_or_grads, (np.ndarray, str, bytes)) or (
             torch is not None and isinstance(model_or_grads, torch.Tensor)):
         raise UnsupportedArgumentError(
