@@ -44,6 +44,9 @@ class Group:
     ``size``, ``member`` (True when this rank is one of them), ``rank`` (this
     rank's index in ``ranks``, the rank collectives on the group use, e.g. for
     ``root=``; None on non-members). Compared by identity.
+
+    The constructor is internal (``ranks``, the world ``parent``, the member's
+    ``world``, the ``serial`` number of the group in its world): use new_group.
     """
 
     __slots__ = ("ranks", "size", "member", "rank", "_parent", "_world", "_destroyed", "_serial",
