@@ -77,7 +77,8 @@ def run_elastic(job: Launch, signals: Signals, attempt: Callable[[Launch, Signal
     """
     current = job
     for count in range(job.max_restarts + 1):
-        code = attempt(dataclasses.replace(current, env={**current.env, RESTART_COUNT: str(count)}), signals)
+        env = {**current.env, RESTART_COUNT: str(count), "PHALANX_MAX_RESTARTS": str(job.max_restarts)}
+        code = attempt(dataclasses.replace(current, env=env), signals)
         if code == 0 or signals.received:
             return code
         if count == job.max_restarts:

@@ -1,3 +1,394 @@
-"""Placeholder: filled in by its owner."""
+"""Horovod's ``DistributedOptimizer`` on phalanx's gradient buckets.
 
-__all__: list[str] = []
+::
+
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    isinstance(opt, torch.optim.SGD)   # True: an instance of a subclass of the optimizer's own class
+
+As in Horovod, the returned object is an instance of a class made on the fly
+that derives from the optimizer's class, sharing its ``param_groups``, ``state``
+and ``defaults``. Gradients are reduced by :class:`phalanx.torch._bucket.GradientBuckets`
+while backward runs (fused buckets, non-blocking), not per tensor; the
+differences from Horovod are in ``docs/horovod.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+import phalanx
+
+from ..._errors import GradientSyncOrderError, InvalidArgumentError, UnsupportedArgumentError
+from ...torch._bucket import GradientBuckets
+from ._compression import Compression, wire_compression
+from ._functions import group_of
+
+try:
+    from ._ops import Adasum, Average, Sum
+except ImportError:  # Horovod's values, until the ops module defines them
+    Average, Sum, Adasum = 0, 1, 2
+
+__all__ = ["DistributedOptimizer"]
+
+_CALL = "phalanx.horovod.torch.DistributedOptimizer"
+_ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+              "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+_TOO_MANY = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
+             "Increase backward_passes_per_step to accumulate gradients locally.")
+_CLASSES: weakref.WeakKeyDictionary[type, dict[bool, type]] = weakref.WeakKeyDictionary()
+
+
+class _Buckets(GradientBuckets):
+    """GradientBuckets with Horovod's pre/post scaling and its "too many backward passes" check."""
+
+    def __init__(self, params: list[torch.Tensor], names: list[str], *, prescale: float | None,
+                 postscale: float, guard: bool, **options: Any) -> None:
+        self._prescale = prescale
+        self._postscale = postscale
+        self.guard = guard  # raise Horovod's errors (a job of more than one rank, as Horovod)
+        self.synced_at = 0  # `reductions` when step()/synchronize() last consumed the gradients
+        super().__init__(params, names, **options)
+
+    def _build(self, cap_mb: float, wire_dtype: torch.dtype | None) -> None:
+        if self._prescale is not None:
+            self._scale = self._prescale
+        super()._build(cap_mb, wire_dtype)
+
+    def _begin_pass(self, task: int) -> None:
+        if self.guard and self.reductions > self.synced_at:
+            raise GradientSyncOrderError(
+                f"{_CALL}: {_TOO_MANY} (This backward pass came after the gradients were already reduced "
+                "for this step; call optimizer.step() or optimizer.synchronize() first.)")
+        super()._begin_pass(task)
+
+    def _complete(self, bucket: Any) -> None:
+        super()._complete(bucket)
+        if self._postscale != 1.0:
+            bucket.grads.mul_(self._postscale)
+
+    @property
+    def pending(self) -> bool:
+        """Backward touched the gradients since step()/synchronize() last consumed them."""
+        return self.in_flight or self.unreduced or self.reductions > self.synced_at
+
+
+class _HorovodOptimizer(torch.optim.Optimizer):
+    """The methods Horovod adds to the user's optimizer class (placed before it in the MRO)."""
+
+    _hvd_engine: _Buckets | None
+
+    def _hvd_setup(self, names: dict[int, str], compression: Any, passes: int, op: Any, predivide: float,
+                   groups: Any, sparse_as_dense: bool, process_set: Any) -> None:
+        self._compression = compression
+        self._hvd_names = names
+        self.backward_passes_per_step = passes
+        self.op = op
+        self.gradient_predivide_factor = predivide
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._groups = groups
+        self._hvd_group = group_of(process_set)
+        self._hvd_synchronized = False
+        self._hvd_should_sync = True
+        self._hvd_engine = None
+        if self._hvd_group is None or self._hvd_group.member:
+            self._hvd_engine = self._hvd_make_engine()
+
+    def _hvd_size(self) -> int:
+        return phalanx.size() if self._hvd_group is None else int(self._hvd_group.size)
+
+    def _hvd_make_engine(self) -> _Buckets | None:
+        params, names = [], []
+        for g, group in enumerate(self.param_groups):
+            for k, p in enumerate(group["params"]):
+                params.append(p)
+                names.append(self._hvd_names.get(id(p), f"allreduce.noname.{g}.{k}"))
+        size = self._hvd_size()
+        prescale, postscale, op = None, 1.0, "avg" if self.op == Average else "sum"
+        if self.op == Average and self.gradient_predivide_factor != 1.0:
+            f = float(self.gradient_predivide_factor)
+            prescale, postscale, op = 1.0 / f, f / size, "sum"
+        options: dict[str, Any] = {"call": "horovod.torch.DistributedOptimizer", "op": op,
+                                   "compression": wire_compression("DistributedOptimizer", self._compression),
+                                   "passes_per_reduction": self.backward_passes_per_step}
+        if self._hvd_group is not None:
+            if "group" not in inspect.signature(GradientBuckets).parameters:
+                raise UnsupportedArgumentError(f"{_CALL}(process_set=...): this phalanx's gradient engine "
+                                               "does not reduce over process sets yet.")
+            options["group"] = self._hvd_group
+        return _Buckets(params, names, prescale=prescale, postscale=postscale, guard=size > 1, **options)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Accumulate ``passes`` backward passes locally before reducing (as the constructor's argument)."""
+        self.backward_passes_per_step = _check_passes(passes)
+        if self._hvd_engine is not None:
+            self._hvd_engine.passes_per_reduction = passes
+
+    def synchronize(self) -> None:
+        """Complete the reduction of every gradient now (reducing what backward did not).
+
+        Collective over the process set. Use it before changing gradients in place (clipping),
+        then step inside :meth:`skip_synchronize`.
+        """
+        engine = self._hvd_engine
+        if engine is not None:
+            if engine.in_flight or engine.unreduced or engine.reductions == engine.synced_at:
+                engine.reduce()
+            engine.synced_at = engine.reductions
+            self._hvd_restore_sparse()
+        self._hvd_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside it, ``step()`` applies the gradients as they are (after your own :meth:`synchronize`)."""
+        self._hvd_should_sync = False
+        try:
+            yield
+        finally:
+            self._hvd_should_sync = True
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Synchronize the gradients (unless inside :meth:`skip_synchronize`), then step the optimizer.
+
+        With a ``closure`` (LBFGS), every backward inside it reduces its gradients itself.
+        Returns what the optimizer's own ``step`` returns.
+        """
+        engine = self._hvd_engine
+        if self._hvd_should_sync and closure is None:
+            if self._hvd_synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                              "consider using optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.", stacklevel=2)
+            else:
+                self.synchronize()
+        self._hvd_synchronized = False
+        if closure is None:
+            result = super().step()
+        else:
+            guard = engine.guard if engine is not None else False
+            if engine is not None:
+                engine.guard = False
+            try:
+                result = super().step(closure)
+            finally:
+                if engine is not None:
+                    engine.guard = guard
+        if engine is not None:
+            engine.synced_at = engine.reductions
+        return result
+
+    step.hooked = True  # type: ignore[attr-defined]  # torch must not wrap it: the base class's step runs the hooks
+
+    def _hvd_local_step(self) -> None:
+        """The optimizer's own step, with no reduction (``broadcast_optimizer_state`` makes state with it)."""
+        super().step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The optimizer's ``zero_grad``; an error after backward but before ``step()``/``synchronize()``.
+
+        Raises GradientSyncOrderError (also an AssertionError, as Horovod raises) in that case.
+        """
+        engine = self._hvd_engine
+        if engine is not None and engine.guard and engine.pending:
+            raise GradientSyncOrderError(
+                f"{_CALL}: {_ZERO_GRAD} Call optimizer.step() (or optimizer.synchronize()) on every rank "
+                "after the backward passes, then zero_grad().")
+        super().zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group; its gradients are reduced too (collective: every rank adds the same)."""
+        super().add_param_group(param_group)
+        engine = self.__dict__.get("_hvd_engine")
+        if engine is not None:
+            engine.close()
+            new = self._hvd_make_engine()
+            if new is not None:
+                new.synced_at = new.reductions
+            self._hvd_engine = new
+
+    def _hvd_restore_sparse(self) -> None:
+        if isinstance(self, torch.optim.SparseAdam):  # it takes sparse gradients only; they travel dense
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None and not p.grad.is_sparse:
+                        p.grad = p.grad.to_sparse()
+
+
+class _AdasumOptimizer(_HorovodOptimizer):
+    """Horovod's Adasum optimizer: each rank steps on its own gradients, then the ranks combine the
+    parameter *changes* with Adasum (``start + Adasum(delta)``)."""
+
+    def _hvd_make_engine(self) -> _Buckets | None:
+        return None  # gradients stay local: the deltas are reduced in step()
+
+    def synchronize(self) -> None:
+        """Nothing to do: with Adasum the reduction happens in ``step()``."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Not supported with Adasum: raises GradientSyncOrderError (an AssertionError, as Horovod)."""
+        raise GradientSyncOrderError(f"{_CALL}(op=Adasum): skipping synchronization is not supported when "
+                                     "using Adasum optimizer; call optimizer.step() alone.")
+        yield  # pragma: no cover
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Evaluate ``closure`` if given, step locally, then set each parameter to its start plus the
+        Adasum combination of every rank's change. Collective. Returns the closure's loss (or None)."""
+        loss = closure() if closure is not None else None
+        params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        starts = [p.detach().clone() for p in params]
+        self._hvd_local_step()
+        compressor = self._compression or Compression.none
+        with torch.no_grad():
+            packed = [compressor.compress(p.detach() - s) for p, s in zip(params, starts, strict=True)]
+            reduced = _adasum([t for t, _ in packed], self.process_set)
+            for p, s, r, (_, ctx) in zip(params, starts, reduced, packed, strict=True):
+                p.copy_(s + compressor.decompress(r, ctx).to(p.dtype))
+        return loss
+
+    step.hooked = True  # type: ignore[attr-defined]
+
+
+def _adasum(tensors: list[torch.Tensor], process_set: Any) -> list[torch.Tensor]:
+    from . import _ops
+
+    grouped = getattr(_ops, "grouped_allreduce", None)
+    if grouped is None:
+        raise UnsupportedArgumentError(f"{_CALL}(op=Adasum): this phalanx has no Adasum reduction "
+                                       "(hvd.grouped_allreduce with op=hvd.Adasum) yet.")
+    kwargs = {} if process_set is None else {"process_set": process_set}
+    return list(grouped(tensors, op=Adasum, **kwargs))
+
+
+def _check_passes(passes: Any) -> int:
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise InvalidArgumentError(f"{_CALL}(backward_passes_per_step={passes!r}): give the number of backward "
+                                   "passes per step as an int >= 1.")
+    return passes
+
+
+def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[int, str]:
+    """Horovod's checks of ``named_parameters``: (name, tensor) tuples, unique names, every parameter named."""
+    if named_parameters is None:
+        return {}
+    entries = list(named_parameters)
+    bad = next((e for e in entries if not isinstance(e, tuple) or len(e) != 2), None)
+    if bad is not None:
+        raise InvalidArgumentError(
+            f"{_CALL}(named_parameters=...): named_parameters should be a sequence of tuples (name, "
+            f"parameter), usually produced by model.named_parameters(); got an entry {type(bad).__name__}.")
+    seen: set[str] = set()
+    dups = sorted({n for n, _ in entries if n in seen or seen.add(n)})  # type: ignore[func-returns-value]
+    if dups:
+        raise InvalidArgumentError(f"{_CALL}(named_parameters=...): parameter names in named_parameters must "
+                                   f"be unique. Found duplicates: {', '.join(map(str, dups))}.")
+    names = {id(p): str(n) for n, p in entries}
+    unnamed = [f"param_groups[{g}]['params'][{k}] (shape {list(p.shape)})"
+               for g, group in enumerate(optimizer.param_groups)
+               for k, p in enumerate(group["params"]) if id(p) not in names]
+    if unnamed:
+        raise InvalidArgumentError(
+            f"{_CALL}(named_parameters=...): named_parameters was specified, but one or more model "
+            f"parameters were not named: {', '.join(unnamed[:5])}{' ...' if len(unnamed) > 5 else ''}. "
+            "Pass the named_parameters() of the model whose parameters the optimizer holds.")
+    return names
+
+
+def _check_groups(groups: Any, num_groups: Any) -> Any:
+    if num_groups:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+                      DeprecationWarning, stacklevel=3)
+        if groups is None:
+            groups = num_groups
+    if groups is None:
+        return None
+    if isinstance(groups, list):
+        seen: set[int] = set()
+        for group in groups:
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise InvalidArgumentError(f"{_CALL}(groups=...): groups must consist of torch.Tensor; "
+                                               f"got a {type(p).__name__}.")
+                if id(p) in seen:
+                    raise InvalidArgumentError(f"{_CALL}(groups=...): a parameter can only appear once in groups.")
+                seen.add(id(p))
+        return groups
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+        raise InvalidArgumentError(f"{_CALL}(groups={groups!r}): groups should be a non-negative integer or "
+                                   "a list of list of torch.Tensor.")
+    return groups
+
+
+def _subclass(base: type, adasum: bool) -> type:
+    made = _CLASSES.setdefault(base, {})
+    if adasum not in made:
+        mixin = _AdasumOptimizer if adasum else _HorovodOptimizer
+        made[adasum] = type(base.__name__, (mixin, base), {"__module__": base.__module__,
+                                                           "__qualname__": base.__qualname__})
+    return made[adasum]
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,  # noqa: N802
+                         compression: Any = Compression.none, backward_passes_per_step: int = 1,
+                         op: Any = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: Any = None) -> torch.optim.Optimizer:
+    """``optimizer``, as an instance of a subclass of its own class, whose gradients are combined across
+    ranks before every ``step()``.
+
+    Gradients are reduced in fused buckets while backward runs; ``step()`` (or
+    ``synchronize()``) completes what is left. The result shares ``param_groups``
+    and ``state`` with ``optimizer``; ``isinstance(result, type(optimizer))`` holds.
+
+    Arguments:
+        optimizer: any torch optimizer.
+        named_parameters: ``model.named_parameters()``: names for messages; every parameter of the
+            optimizer must be named, each name once.
+        compression: ``hvd.Compression.none`` (default) or ``hvd.Compression.fp16`` (float16 on the wire).
+        backward_passes_per_step: backward passes accumulated locally per ``step()``.
+        op: ``hvd.Average`` (default), ``hvd.Sum``, or ``hvd.Adasum`` (each rank steps on its own
+            gradients and the parameter changes are combined with Adasum).
+        gradient_predivide_factor: with Average, gradients are scaled by ``1/f`` before the sum
+            and by ``f/size`` after it.
+        num_groups, groups: Horovod's explicit fusion groups: checked and accepted; phalanx's buckets
+            fuse every gradient anyway.
+        sparse_as_dense: accepted: sparse gradients always travel dense (``SparseAdam`` gets them
+            back sparse).
+        process_set: reduce over its ranks only (default: every rank).
+
+    Returns the wrapped optimizer. Raises InvalidArgumentError (bad named_parameters or groups,
+    ``gradient_predivide_factor`` with an op other than Average, an op other than Average, Sum
+    or Adasum), UnsupportedArgumentError (a compressor other than none/fp16),
+    CollectiveMismatchError (the ranks wrap different parameters).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, _HorovodOptimizer):
+        raise InvalidArgumentError(f"{_CALL}(optimizer={type(optimizer).__name__}): pass a plain torch "
+                                   "optimizer, e.g. torch.optim.SGD(model.parameters(), lr=0.1).")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise InvalidArgumentError(f"{_CALL}(gradient_predivide_factor={gradient_predivide_factor!r}, "
+                                   f"op={op!r}): gradient_predivide_factor not supported with op != Average.")
+    if op not in (Average, Sum, Adasum):
+        raise InvalidArgumentError(f"{_CALL}(op={op!r}): gradients are combined with hvd.Average (default), "
+                                   "hvd.Sum or hvd.Adasum.")
+    wire_compression("DistributedOptimizer", compression)
+    passes = _check_passes(backward_passes_per_step)
+    groups = _check_groups(groups, num_groups)
+    names = _names(optimizer, named_parameters)
+    group = group_of(process_set)
+    size = phalanx.size() if group is None else int(group.size)
+    cls = _subclass(type(optimizer), op == Adasum and size > 1)
+    wrapped = cls.__new__(cls)
+    # Share everything with the optimizer but an instance-level step/zero_grad (an LR scheduler's wrapper).
+    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in ("step", "zero_grad")})
+    wrapped._hvd_setup(names, compression, passes, op, gradient_predivide_factor, groups, sparse_as_dense,
+                       process_set)
+    return wrapped

@@ -1,0 +1,31 @@
+"""Horovod's elastic training API on phalanx's restart model: ``hvd.elastic.run``, ``TorchState``,
+``ElasticSampler``.
+
+::
+
+    state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            ...
+            state.commit()          # saved to disk (atomically), collective
+
+    train(state)                    # run under `phalanx run -n 4 --max-restarts 3 train.py`
+
+Horovod resets a failed world inside the running processes. phalanx instead
+ends the failed job and starts it again (``phalanx run --max-restarts K``):
+``commit()`` writes the state to disk, and in a restarted job
+(``PHALANX_RESTART_COUNT`` > 0) :func:`run` loads the last commit before it
+calls the function. Without ``--max-restarts`` the script runs as an ordinary
+job and says so once. The commits go to ``$PHALANX_ELASTIC_DIR`` (default
+``./.phalanx-elastic/<script name>/``). Details: ``docs/horovod.md``.
+"""
+
+from __future__ import annotations
+
+from ._run import run
+from ._sampler import ElasticSampler
+from ._state import ObjectState, State, TorchState
+
+__all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run"]
