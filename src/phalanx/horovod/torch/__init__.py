@@ -8,6 +8,7 @@ differs from Horovod, and why, is in ``docs/horovod.md``.
 
 from __future__ import annotations
 
+from . import elastic as elastic  # hvd.elastic: run, TorchState, ElasticSampler
 from ._adasum import *  # noqa: F403
 from ._async import *  # noqa: F403
 from ._autograd import *  # noqa: F403
