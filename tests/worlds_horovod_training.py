@@ -319,7 +319,29 @@ def _(r: int, n: int) -> None:
         assert torch.allclose(p.detach(), want, atol=1e-12), (p, want)
 
 
+@TRAINING.behaviour("process-set-reduces-and-broadcasts-among-its-members-only")
+def _(r: int, n: int) -> None:
+    if n == 1:
+        return
+    ps = hvd.add_process_set([0, 1])
+    try:
+        p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=1.0), op=_op("Sum"), process_set=ps)
+        (p * (r + 1)).sum().backward()
+        opt.step()  # members: the sum over ranks 0 and 1 (1 + 2); rank 2, not a member: its own gradient
+        assert torch.equal(p.detach(), torch.full((2,), -3.0 if r < 2 else -(r + 1.0), dtype=torch.float64)), p
+        if r < 2:
+            model = _model(seed=30 + r)
+            hvd.broadcast_parameters(model.state_dict(), root_rank=1, process_set=ps)
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), _model(seed=31).parameters(), strict=True))
+            assert hvd.broadcast_object(r * 10, root_rank=1, process_set=ps) == 10
+            assert hvd.allgather_object(r, process_set=ps) == [0, 1]
+    finally:
+        hvd.remove_process_set(ps)
+
+
 def training() -> dict[str, str | None]:
     """The world body: every behaviour above."""
     np.random.seed(0)
+    hvd.init()
     return TRAINING.run(phalanx.rank(), phalanx.size())

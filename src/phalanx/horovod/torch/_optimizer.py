@@ -16,7 +16,6 @@ differences from Horovod are in ``docs/horovod.md``.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -119,11 +118,7 @@ class _HorovodOptimizer(torch.optim.Optimizer):
         options: dict[str, Any] = {"call": "horovod.torch.DistributedOptimizer", "op": op,
                                    "compression": wire_compression("DistributedOptimizer", self._compression),
                                    "passes_per_reduction": self.backward_passes_per_step}
-        if self._hvd_group is not None:
-            if "group" not in inspect.signature(GradientBuckets).parameters:
-                raise UnsupportedArgumentError(f"{_CALL}(process_set=...): this phalanx's gradient engine "
-                                               "does not reduce over process sets yet.")
-            options["group"] = self._hvd_group
+        options["group"] = self._hvd_group
         return _Buckets(params, names, prescale=prescale, postscale=postscale, guard=size > 1, **options)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
