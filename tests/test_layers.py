@@ -24,17 +24,17 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Leaf modules everything uses: exceptions, settings, atomic files, what a buffer is and which
     # device a rank uses (the backends move Buffers and the nccl backend picks devices: below comm).
     ("base", ("phalanx._errors", "phalanx._settings", "phalanx._files", "phalanx._arrays", "phalanx._devices",
-              "phalanx._net")),
+              "phalanx._net", "phalanx._trace")),
     ("comm", ("phalanx.comm", "phalanx.comm.")),
     ("world/collectives", ("phalanx._world", "phalanx._collectives", "phalanx._nonblocking", "phalanx._agreement", "phalanx._failure",
                            "phalanx._output")),
     # `phalanx` itself re-exports these and the layers below.
     ("sync/data/tree/gradients", ("phalanx", "phalanx._sync", "phalanx._data", "phalanx._tree",
-                                  "phalanx._gradients")),
+                                  "phalanx._gradients", "phalanx._tracing")),
     ("torch/jax", ("phalanx.torch", "phalanx.torch.", "phalanx.jax", "phalanx.jax.")),
     ("train", ("phalanx.train", "phalanx.train.", "phalanx.examples", "phalanx.examples.")),
-    ("horovod", ("phalanx.horovod", "phalanx.horovod.")),
     ("launch", ("phalanx.launch", "phalanx.launch.")),
+    ("horovod", ("phalanx.horovod", "phalanx.horovod.")),  # horovod.run starts jobs through the launcher
     ("testing", ("phalanx.testing", "phalanx.testing.")),
     ("cli", ("phalanx.cli", "phalanx.cli.", "phalanx.__main__")),
 ]

@@ -57,7 +57,7 @@ from ._nonblocking import Handle, iallreduce, ibroadcast
 from ._output import RankFilter, print, setup_logging
 from ._settings import settings
 from ._sync import synchronize
-from ._trace import start_trace, stop_trace
+from ._tracing import start_trace, stop_trace
 from ._world import (
     backend,
     device,

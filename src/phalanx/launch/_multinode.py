@@ -59,7 +59,7 @@ from ._spawn import run_spawn
 __all__ = ["FORWARDED", "remote_command", "run_hosts", "torch_runner"]
 
 POLL = 0.05
-FORWARDED = ("PHALANX_", "GLOO_", "NCCL_", "TORCH_", "OMP_", "MKL_", "PYTHON")  # prefixes of variables sent along
+FORWARDED = ("PHALANX_", "GLOO_", "NCCL_", "TORCH_", "OMP_", "MKL_", "PYTHON", "HOROVOD_")  # prefixes of variables sent along
 _NOT_FORWARDED = {"PHALANX_SECRET", "PHALANX_JOB_DIR", "PHALANX_RANK"}
 # What the per-host launchers take of the job (the host list and restarts are the driver's business).
 _REMOTE_FIELDS = ("n", "backend", "target", "log_dir", "echo", "timeout", "env", "stop_grace", "start_timeout",
