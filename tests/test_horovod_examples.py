@@ -69,7 +69,7 @@ SYNTHETIC = ["--batches-per-allreduce", "2", "--num-warmup-batches", "1", "--num
 @pytest.fixture(scope="module")
 def synthetic_one_rank(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("synthetic") / "one.pt")
-    out = _run("synthetic_benchmark.py", *SYNTHETIC, "--batch-size", "16", "--save-model", path)
+    out = _run("synthetic_benchmark.py", *SYNTHETIC, "--batch-size", "16", "--lr", "0.02", "--save-model", path)
     assert "Number of CPUs: 1" in out, out
     return path
 
@@ -103,14 +103,14 @@ TEST_LINE = re.compile(r"Test set: Average loss: ([\d.]+), Accuracy: ([\d.]+)%")
 @pytest.fixture(scope="module")
 def mnist_one_rank(tmp_path_factory) -> tuple[str, list[tuple[str, str]]]:
     path = str(tmp_path_factory.mktemp("mnist") / "one.pt")
-    out = _run("mnist.py", *MNIST, "--batch-size", "64", "--lr", "0.02", "--save-model", path)
+    out = _run("mnist.py", *MNIST, "--batch-size", "64", "--lr", "0.05", "--save-model", path)
     return path, TEST_LINE.findall(out)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mnist_two_ranks_equal_one(backend: str, mnist_one_rank: tuple[str, list], tmp_path) -> None:
     path = str(tmp_path / "two.pt")
-    out = _run("mnist.py", *MNIST, "--batch-size", "32", "--lr", "0.01", "--save-model", path,
+    out = _run("mnist.py", *MNIST, "--batch-size", "32", "--lr", "0.025", "--save-model", path,
                np=2, backend=backend)
     _assert_same_model(path, mnist_one_rank[0])
     tests = TEST_LINE.findall(out)
@@ -124,7 +124,7 @@ def test_mnist_two_ranks_equal_one(backend: str, mnist_one_rank: tuple[str, list
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mnist_through_horovod_run(backend: str, mnist_one_rank: tuple[str, list], tmp_path) -> None:
     path = str(tmp_path / "run.pt")
-    out = _run("mnist.py", *MNIST, "--batch-size", "32", "--lr", "0.01", "--save-model", path,
+    out = _run("mnist.py", *MNIST, "--batch-size", "32", "--lr", "0.025", "--save-model", path,
                "--num-proc", "2", "--communication", backend)
     assert "Running training through horovod.run" in out, out
     results = out.split("Results by rank: ", 1)[1]
@@ -139,9 +139,9 @@ RESNET = ["--train-size", "256", "--val-size", "64", "--batch-size", "16", "--wa
 LR_LINE = re.compile(r"Train Epoch +#(\d+): .* lr ([\d.]+) -> ([\d.]+)")
 
 
-def _resnet(tmp: str, epochs: int, **where: object) -> str:
+def _resnet(tmp: str, epochs: int, backend: str) -> str:
     return _run("imagenet_resnet.py", *RESNET, "--epochs", str(epochs),
-                "--checkpoint-format", os.path.join(tmp, "checkpoint-{epoch}.pth.tar"), **where)  # type: ignore[arg-type]
+                "--checkpoint-format", os.path.join(tmp, "checkpoint-{epoch}.pth.tar"), np=2, backend=backend)
 
 
 @pytest.fixture(scope="module")
@@ -151,14 +151,14 @@ def resnet_straight(tmp_path_factory) -> str:
     if backend is None:
         pytest.skip("no multi-process backend")
     tmp = str(tmp_path_factory.mktemp("resnet-straight"))
-    _resnet(tmp, 3, np=2, backend=backend)
+    _resnet(tmp, 3, backend)
     return os.path.join(tmp, "checkpoint-3.pth.tar")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_resnet_warmup_checkpoint_and_resume(backend: str, resnet_straight: str, tmp_path) -> None:
     tmp = str(tmp_path)
-    first = _resnet(tmp, 2, np=2, backend=backend)
+    first = _resnet(tmp, 2, backend)
     assert sorted(os.listdir(tmp)) == ["checkpoint-1.pth.tar", "checkpoint-2.pth.tar"]  # rank 0 writes them
     lrs = {int(e): (float(a), float(b)) for e, a, b in LR_LINE.findall(first)}
     steps = 256 // (2 * 16)
@@ -166,7 +166,7 @@ def test_resnet_warmup_checkpoint_and_resume(backend: str, resnet_straight: str,
     assert lrs[1] == pytest.approx((0.05 * (1 + 1 / steps), 0.1), rel=1e-4), first
     assert lrs[2] == pytest.approx((0.1, 0.1), rel=1e-4), first
 
-    again = _resnet(tmp, 3, np=2, backend=backend)
+    again = _resnet(tmp, 3, backend)
     assert "Resuming from epoch 2" in again and "#1:" not in again and "#2:" not in again, again
     assert {int(e) for e, _, _ in LR_LINE.findall(again)} == {3}
     assert LR_LINE.findall(again)[0][1:] == ("0.010000", "0.010000"), again

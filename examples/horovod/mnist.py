@@ -95,11 +95,11 @@ class Net(nn.Module):
 def generated_mnist(size, seed, train):
     """MNIST-shaped data: ``size`` normalized 1×28×28 images and their labels (0-9), the same on every rank."""
     generator = torch.Generator().manual_seed(seed)
-    patterns = torch.rand(10, 1, 28, 28, generator=generator)  # one per class, shared by train and test
+    patterns = (torch.rand(10, 1, 28, 28, generator=generator) > 0.5).float()  # one per class, train and test
     generator.manual_seed(seed + (1 if train else 2))
     labels = torch.randint(0, 10, (size,), generator=generator)
     noise = torch.rand(size, 1, 28, 28, generator=generator)
-    images = (0.5 * patterns[labels] + 0.5 * noise).clamp(0, 1)
+    images = 0.6 * patterns[labels] + 0.4 * noise
     return torch.utils.data.TensorDataset((images - 0.1307) / 0.3081, labels)
 
 

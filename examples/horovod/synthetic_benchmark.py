@@ -12,7 +12,8 @@ is (argparse, ``hvd.init()``, ``DistributedOptimizer`` with
 built here instead of torchvision's, so it needs nothing but torch. The fixed
 fake batch is the same global batch at any number of ranks (each rank takes its
 ``--batch-size`` slice of ``size() * --batch-size`` samples made from
-``--seed``), so ``--save-model`` of 2 ranks × B equals 1 rank × 2B.
+``--seed``), so ``--save-model`` of 2 ranks at ``--batch-size B --lr L`` equals
+1 rank at ``--batch-size 2B --lr 2L`` (the learning rate is scaled by ``hvd.size()``).
 """
 
 # ruff: noqa: UP004, UP008, UP031, UP032  # the str.format/% and super(C, self) style of Horovod's examples
@@ -41,6 +42,8 @@ parser.add_argument('--model', type=str, default='convnet', choices=['convnet', 
                     help='model to benchmark')
 parser.add_argument('--batch-size', type=int, default=32,
                     help='input batch size')
+parser.add_argument('--lr', type=float, default=0.01,
+                    help='learning rate of one worker (scaled by the number of workers)')
 parser.add_argument('--image-size', type=int, default=32,
                     help='height and width of the fake images')
 
@@ -93,7 +96,7 @@ if args.cuda:
     # Move model to GPU.
     model.cuda()
 
-optimizer = optim.SGD(model.parameters(), lr=0.01 * lr_scaler, momentum=0.9)
+optimizer = optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=0.9)
 
 # Horovod: (optional) compression algorithm.
 compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
