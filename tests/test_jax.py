@@ -1,0 +1,49 @@
+"""phalanx.jax: JAX arrays through the collectives, pytrees, optax, jit (skipped without jax).
+
+One world per backend and size runs every behaviour of ``worlds_jax.JAX``
+(collectives against NumPy, synchronize of every kind of pytree and its
+mismatch errors, N ranks equal one process for flax and equinox models with
+SGD, Adam, a jitted step, MultiSteps and compression).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("jax")
+pytest.importorskip("optax")
+pytest.importorskip("flax")
+pytest.importorskip("equinox")
+
+import worlds_jax as bodies  # noqa: E402
+from conftest import MULTI_WORLDS, world_params  # noqa: E402
+from phalanx.testing import WorldFailed, run_world  # noqa: E402
+
+JAX_WORLDS = [("mpi", 1), ("mpi", 2), ("mpi", 3), ("gloo", 1), ("gloo", 2), ("gloo", 3)]
+ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
+
+
+@pytest.mark.parametrize("behaviour", bodies.JAX.names)
+@pytest.mark.parametrize("backend,n", world_params(JAX_WORLDS))
+def test_jax(worlds, backend: str, n: int, behaviour: str) -> None:
+    worlds.check(bodies.jax_world, backend, n, behaviour, op_timeout=30, timeout=150, env=ENV)
+
+
+@pytest.mark.parametrize("backend,n", world_params(MULTI_WORLDS[:1] + MULTI_WORLDS[2:3]))
+def test_a_rank_that_raises_inside_a_jitted_step_ends_the_job_with_its_traceback(backend: str, n: int) -> None:
+    start = time.monotonic()
+    with pytest.raises(WorldFailed) as failed:
+        run_world(bodies.raises_in_jitted_step, n, backend, op_timeout=30, timeout=60, env=ENV)
+    assert time.monotonic() - start < 40
+    report = str(failed.value)
+    assert "rank 1" in report and "boom on rank 1 inside the jitted step" in report, report
+
+
+def test_import_phalanx_jax_imports_jax_but_import_phalanx_does_not() -> None:
+    code = ("import sys, phalanx; assert 'jax' not in sys.modules, 'phalanx imported jax'; "
+            "import phalanx.jax; assert 'jax' in sys.modules and 'optax' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
