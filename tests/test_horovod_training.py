@@ -5,15 +5,19 @@ on mpi and gloo (one world per backend and size, one test id per behaviour)."""
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 
 import worlds_horovod_training as bodies
 from conftest import world_params
 
+COMMITS = tempfile.mkdtemp(prefix="hvd-elastic-")  # TorchState.commit() writes here
 WORLDS = [("mpi", 1), ("mpi", 2), ("mpi", 3), ("gloo", 1), ("gloo", 2), ("gloo", 3)]
 
 
 @pytest.mark.parametrize("behaviour", bodies.TRAINING.names)
 @pytest.mark.parametrize("backend,n", world_params(WORLDS))
 def test_horovod_training(worlds, backend: str, n: int, behaviour: str) -> None:
-    worlds.check(bodies.training, backend, n, behaviour, op_timeout=20, timeout=90)
+    worlds.check(bodies.training, backend, n, behaviour, op_timeout=20, timeout=90,
+                 env={"PHALANX_ELASTIC_DIR": COMMITS})

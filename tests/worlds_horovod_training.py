@@ -340,6 +340,42 @@ def _(r: int, n: int) -> None:
         hvd.remove_process_set(ps)
 
 
+@TRAINING.behaviour("elastic-sampler-splits-the-epoch-and-resumes-after-the-recorded-batches")
+def _(r: int, n: int) -> None:
+    sampler = hvd.elastic.ElasticSampler(list(range(30)), shuffle=False)
+    mine = list(sampler)
+    assert len(sampler) == len(mine) == -(-30 // n), len(sampler)
+    everyone = hvd.allgather_object(mine)
+    assert {i for part in everyone for i in part} == set(range(30)), everyone
+    sampler.record_batch(0, 2)  # each rank did a batch of 2
+    sampler.reset()
+    assert list(sampler)[:1] == [2 * n + r], list(sampler)
+    shuffled = hvd.elastic.ElasticSampler(list(range(12)), seed=4)
+    shuffled.load_state_dict({"epoch": 1, "processed_num": 6})
+    first = list(shuffled)
+    shuffled.set_epoch(2)
+    assert shuffled.state_dict() == {"epoch": 2, "processed_num": 0} and len(first) == -(-6 // n)
+
+
+@TRAINING.behaviour("torch-state-commits-restores-in-memory-and-syncs-from-rank-0")
+def _(r: int, n: int) -> None:
+    model = _model(seed=40 + r)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1))
+    state = hvd.elastic.TorchState(model, opt, epoch=r, note="x")
+    state.sync()  # every rank takes rank 0's model, optimizer and attributes
+    assert state.epoch == 0 and opt.param_groups[0]["lr"] == 0.1
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), _model(seed=40).parameters(), strict=True))
+    state.epoch = 5
+    state.commit()
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    state.epoch = 6
+    state.restore()
+    assert state.epoch == 5
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), _model(seed=40).parameters(), strict=True))
+    assert state.load_commit() and state.epoch == 5  # what a restarted job reads from disk
+
+
 def training() -> dict[str, str | None]:
     """The world body: every behaviour above."""
     np.random.seed(0)
