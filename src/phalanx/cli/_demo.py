@@ -5,9 +5,10 @@
     phalanx demo                          # 1 process, then 2 on the default backend
     phalanx demo -n 3 --backend gloo      # global batch 63 = 3 x 21 (64 rounded to a multiple of 3)
     phalanx demo --smoke                  # the collectives smoke test (phalanx.cli._smoke) instead
+    phalanx demo --framework jax          # the same with JAX: an equinox MLP, optax, a jitted step
 
 Both runs start :mod:`phalanx.examples.digits` (``examples/digits.py`` in a
-clone) through the launcher with the same global batch, seed and epochs; rank
+clone; with ``--framework jax``, :mod:`phalanx.examples.jax_digits`) through the launcher with the same global batch, seed and epochs; rank
 0's progress shows live. The exit status is 0 only when the two test
 accuracies agree to the printed digits.
 """
@@ -27,6 +28,11 @@ from ..launch import Launch, default_backend, launch
 __all__ = ["main"]
 
 SCRIPT = "phalanx.examples.digits"
+SCRIPTS = {"torch": SCRIPT, "jax": "phalanx.examples.jax_digits"}
+NEEDS = {"torch": (("torch", "torch"), ("scikit-learn", "sklearn")),
+         "jax": (("jax", "jax"), ("optax", "optax"), ("equinox", "equinox"), ("scikit-learn", "sklearn"))}
+INSTALL = {"torch": "pip install 'phalanx[train,examples]'", "jax": "pip install 'phalanx[jax,examples]'"}
+MODELS = {"torch": "a 64-128-128-10 network", "jax": "a 64-128-128-10 equinox MLP (optax, a jitted step)"}
 BATCH = 64  # the global batch, rounded to a multiple of the number of processes
 
 
@@ -45,6 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=int, default=20, help="training epochs (default 20)")
     parser.add_argument("--batch-size", type=int, metavar="B",
                         help=f"global batch, a multiple of N (default: {BATCH} rounded to a multiple of N)")
+    parser.add_argument("--framework", choices=tuple(SCRIPTS), default="torch",
+                        help="the training script's framework (default torch; jax: an equinox MLP with "
+                             "optax, phalanx.jax.DistributedOptimizer inside a jitted step)")
     parser.add_argument("--smoke", action="store_true",
                         help="instead: N ranks only check allreduce, broadcast and allgather")
     return parser
@@ -54,11 +63,12 @@ def _plural(n: int) -> str:
     return f"{n} process{'es' if n != 1 else ''}"
 
 
-def _train(n: int, backend: str, options: list[str], out: str) -> tuple[int, dict[str, object] | None]:
+def _train(n: int, backend: str, options: list[str], out: str,
+           script: str = SCRIPT) -> tuple[int, dict[str, object] | None]:
     """Run the script on ``n`` processes; (exit status, rank 0's results or None)."""
-    command = f"phalanx run -n {n} --backend {backend} -m {SCRIPT} {shlex.join(options)}"
+    command = f"phalanx run -n {n} --backend {backend} -m {script} {shlex.join(options)}"
     print(f"\n--- {_plural(n)}: {command}", flush=True)
-    code = launch(Launch(n=n, backend=backend, target=["-m", SCRIPT, *options, "--json", out], timeout=120.0))
+    code = launch(Launch(n=n, backend=backend, target=["-m", script, *options, "--json", out], timeout=120.0))
     if code != 0 or not os.path.isfile(out):
         return code or 1, None
     with open(out) as f:
@@ -80,24 +90,24 @@ def main(argv: list[str]) -> int:
     batch = args.batch_size if args.batch_size is not None else n * max(1, round(BATCH / n))
     if batch < n or batch % n:
         parser.error(f"--batch-size {batch} does not split evenly over {n} processes; use a multiple of {n}")
-    missing = [name for name, module in (("torch", "torch"), ("scikit-learn", "sklearn"))
-               if importlib.util.find_spec(module) is None]
+    missing = [name for name, module in NEEDS[args.framework] if importlib.util.find_spec(module) is None]
     if missing:
         sys.stderr.write(f"phalanx demo: the training demo needs {' and '.join(missing)}: "
-                         "pip install 'phalanx[train,examples]' (or run `phalanx demo --smoke`).\n")
+                         f"{INSTALL[args.framework]} (or run `phalanx demo --smoke`).\n")
         return 2
     backend = args.backend or default_backend()
 
-    print(f"phalanx demo: a 64-128-128-10 network learns scikit-learn's handwritten digits (bundled, no "
+    print(f"phalanx demo: {MODELS[args.framework]} learns scikit-learn's handwritten digits (bundled, no "
           f"download), first on 1 process, then on {n} ({backend}), with the same global batch of {batch} "
           f"images per step. Progress is rank 0's.", flush=True)
     options = ["--epochs", str(args.epochs), "--batch-size", str(batch)]
     with tempfile.TemporaryDirectory(prefix="phalanx-demo-") as tmp:
-        code, one = _train(1, backend, options, os.path.join(tmp, "1.json"))
+        script = SCRIPTS[args.framework]
+        code, one = _train(1, backend, options, os.path.join(tmp, "1.json"), script)
         if one is None:
             sys.stderr.write(f"phalanx demo: the 1-process run failed (exit status {code}).\n")
             return code
-        code, many = _train(n, backend, options, os.path.join(tmp, f"{n}.json"))
+        code, many = _train(n, backend, options, os.path.join(tmp, f"{n}.json"), script)
         if many is None:
             sys.stderr.write(f"phalanx demo: the {n}-process run failed (exit status {code}).\n")
             return code
