@@ -42,6 +42,7 @@ def test_a_member_that_never_comes_times_out_naming_its_world_rank(backend: str,
     raised, missing = float(found.group(1)), found.group(2)
     print(f"\n{backend}-{n}: rank 0 raised after {raised} s, the world ended after {elapsed:.1f} s")
     assert missing == f"[{n - 1}]", report
+    assert "world after it: broken" in report, report  # a failure in a group ends the job as today
     assert f"in group [0, {n - 1}]" in report and f"(world rank {n - 1})" in report, report
     assert OP_TIMEOUT <= raised < OP_TIMEOUT + GRACE + 1.0, report
     assert elapsed < OP_TIMEOUT + GRACE + 30, report

@@ -70,6 +70,12 @@ def _check_every_collective(g: phalanx.Group) -> None:
     assert np.array_equal(state["x"], inputs[last]) and state["step"] == m[last]
     grads = phalanx.allreduce_gradients([_data(w, k)], group=g)
     assert np.allclose(grads[0], total / k)
+    import torch
+
+    half = phalanx.allreduce(torch.from_numpy(_data(w, k)).half(), group=g)  # 16-bit paths (MPI: halfsum)
+    assert half.dtype == torch.float16 and torch.equal(half, torch.from_numpy(total).half())
+    assert torch.equal(phalanx.broadcast(torch.full((3,), float(w)), root=last, group=g),
+                       torch.full((3,), float(m[last])))
 
 
 def _check_layout(n: int, i: int) -> None:
@@ -291,4 +297,11 @@ def member_never_comes() -> None:
         error = exc
     else:
         raise AssertionError("the group's allreduce completed without its member")
-    raise RuntimeError(f"rank {r}: TIMES raised={raised:.2f} | missing={error.missing_ranks} | {error}")
+    try:
+        phalanx.allreduce(1)
+    except phalanx.WorldBrokenError:
+        world = "broken"
+    else:
+        world = "usable"
+    raise RuntimeError(f"rank {r}: TIMES raised={raised:.2f} | missing={error.missing_ranks} | world after it: "
+                       f"{world} | {error}")
