@@ -85,12 +85,12 @@ def _phalanx_run(backend: str, script: str, *args: str) -> list[str]:
 def write_mnist(root: str, train: int = 2000, test: int = 500, seed: int = 0) -> None:
     """MNIST-shaped data in torchvision's raw IDX files under ``root/MNIST/raw``: a learnable pattern per class."""
     rng = np.random.default_rng(seed)
-    patterns = rng.integers(0, 256, (10, 28, 28))
+    patterns = rng.integers(0, 2, (10, 28, 28)) * 200
     raw = os.path.join(root, "MNIST", "raw")
     os.makedirs(raw, exist_ok=True)
     for prefix, count in (("train", train), ("t10k", test)):
         labels = rng.integers(0, 10, count).astype(np.uint8)
-        images = (patterns[labels] // 2 + rng.integers(0, 128, (count, 28, 28))).astype(np.uint8)
+        images = (patterns[labels] + rng.integers(0, 56, (count, 28, 28))).astype(np.uint8)
         with open(os.path.join(raw, f"{prefix}-images-idx3-ubyte"), "wb") as f:
             f.write(np.array([0x803, count, 28, 28], dtype=">i4").tobytes() + images.tobytes())
         with open(os.path.join(raw, f"{prefix}-labels-idx1-ubyte"), "wb") as f:
@@ -120,7 +120,8 @@ TEST_LINE = re.compile(r"Test set: Average loss: ([\d.]+), Accuracy: ([\d.]+)%")
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_horovod_mnist_runs_unchanged(backend: str, scripts: dict[str, str]) -> None:
-    out = _run(_phalanx_run(backend, scripts["pytorch_mnist.py"], "--epochs", "2", "--data-dir", scripts["data"]),
+    out = _run(_phalanx_run(backend, scripts["pytorch_mnist.py"], "--epochs", "2", "--lr", "0.03",
+                            "--data-dir", scripts["data"]),
                scripts["folder"])
     tests = TEST_LINE.findall(out)
     assert len(tests) == 2, out  # one per epoch, rank 0 only
