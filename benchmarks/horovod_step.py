@@ -17,10 +17,12 @@ user writes it:
   after ``hvd.broadcast_parameters`` and ``hvd.broadcast_optimizer_state``, with
   ``import phalanx.horovod.torch as hvd``.
 
-Every round builds both afresh (set-up not timed) and times ``--warmup`` then
-``--steps`` steps of each, in an order that alternates from round to round;
-a figure is the median over rounds of the slowest rank's mean step time, and
-the ratio is also given per round (paired, so drift on the machine cancels).
+Every round builds both afresh (set-up not timed), runs ``--warmup`` steps of
+each, then alternates blocks of ``--steps`` steps between them (``--blocks``
+pairs; which goes first alternates too), both models alive side by side, so
+that drift on a shared machine hits both alike. A block's figure is the
+slowest rank's mean step time; a variant's figure is the median over all its
+blocks, and the ratio is also the median of the per-pair ratios (paired).
 Both variants start from the same weights and see the same batches, so their
 models must end equal: the JSON records whether they did.
 """
@@ -56,10 +58,8 @@ def make(variant: str, width: int) -> tuple[Any, Any]:
     return model, hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
 
 
-def time_steps(step: Callable[[], None], warmup: int, steps: int) -> float:
-    """The slowest rank's mean seconds per step over ``steps`` steps, after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        step()
+def time_steps(step: Callable[[], None], steps: int) -> float:
+    """The slowest rank's mean seconds per step over ``steps`` steps."""
     phalanx.barrier()
     start = time.perf_counter()
     for _ in range(steps):
@@ -67,31 +67,41 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int) -> float:
     return float(phalanx.allreduce((time.perf_counter() - start) / steps, op="max"))
 
 
-def one_round(order: tuple[str, ...], args: argparse.Namespace, x: Any, y: Any) -> tuple[dict[str, float], bool]:
-    """Time each variant once; (seconds per step by variant, whether the two models ended equal)."""
-    seconds, models = {}, {}
-    for variant in order:
-        model, opt = make(variant, args.mlp_width)
+def one_round(args: argparse.Namespace, x: Any, y: Any) -> tuple[list[dict[str, float]], bool]:
+    """Build both variants, then alternate blocks of ``--steps`` steps between them (``--blocks`` pairs).
 
+    Returns the seconds per step of each pair of blocks by variant, and whether the two models
+    ended equal (same weights, same batches, same number of steps).
+    """
+    built = {variant: make(variant, args.mlp_width) for variant in VARIANTS}
+    steps = {}
+    for variant, (model, opt) in built.items():
         def step(model: Any = model, opt: Any = opt) -> None:
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
 
-        seconds[variant] = time_steps(step, args.warmup, args.steps)
-        models[variant] = model
+        steps[variant] = step
+        for _ in range(args.warmup):
+            step()
+    pairs = []
+    for block in range(args.blocks):
+        order = VARIANTS if block % 2 == 0 else VARIANTS[::-1]
+        pairs.append({variant: time_steps(steps[variant], args.steps) for variant in order})
+    with torch.no_grad():
+        equal = all(torch.equal(a, b) for a, b in zip(built["phalanx"][0].parameters(),
+                                                       built["hvd"][0].parameters(), strict=True))
+    for _, opt in built.values():
         if hasattr(opt, "close"):
             opt.close()
-    with torch.no_grad():
-        equal = all(torch.equal(a, b) for a, b in zip(models["phalanx"].parameters(), models["hvd"].parameters(),
-                                                       strict=True))
-    return seconds, bool(phalanx.allreduce(int(equal), op="min"))
+    return pairs, bool(phalanx.allreduce(int(equal), op="min"))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; each builds both variants afresh")
+    parser.add_argument("--blocks", type=int, default=12, help="pairs of blocks per round")
+    parser.add_argument("--steps", type=int, default=5, help="steps per block")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64, help="samples per rank")
     parser.add_argument("--mlp-width", type=int, default=1024, help="MLP hidden size (1024: 4.73M parameters)")
@@ -103,9 +113,9 @@ def main() -> None:
     x, y = batch("mlp", args.batch, seed=hvd.rank())
     rounds: list[dict[str, float]] = []
     equal = []
-    for r in range(args.rounds):
-        seconds, same = one_round(VARIANTS if r % 2 == 0 else VARIANTS[::-1], args, x, y)
-        rounds.append(seconds)
+    for _ in range(args.rounds):
+        pairs, same = one_round(args, x, y)
+        rounds += pairs
         equal.append(same)
     if hvd.rank() != 0:
         return
@@ -113,14 +123,14 @@ def main() -> None:
     paired = statistics.median(r["hvd"] / r["phalanx"] for r in rounds)
     backend = phalanx.backend().name
     print(f"{hvd.size()} ranks, {backend}, MLP width {args.mlp_width}, batch {args.batch}/rank, "
-          f"median of {args.rounds} rounds x {args.steps} steps:")
+          f"median of {args.rounds} rounds x {args.blocks} pairs of blocks x {args.steps} steps:")
     for v in VARIANTS:
         print(f"  {v:8s} {medians[v]:7.2f} ms/step")
-    print(f"  hvd / phalanx: {medians['hvd'] / medians['phalanx']:.3f} of the medians, {paired:.3f} paired per round "
+    print(f"  hvd / phalanx: {medians['hvd'] / medians['phalanx']:.3f} of the medians, {paired:.3f} paired per block pair "
           f"({medians['hvd'] - medians['phalanx']:+.2f} ms/step); models equal in every round: {all(equal)}")
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump({"ranks": hvd.size(), "backend": backend, "rounds_s": rounds, "models_equal": equal,
+            json.dump({"ranks": hvd.size(), "backend": backend, "blocks_s": rounds, "models_equal": equal,
                        "median_ms": medians, "ratio_of_medians": medians["hvd"] / medians["phalanx"],
                        "ratio_paired_median": paired, "load_average": list(os.getloadavg()),
                        "versions": {"torch": torch.__version__, "phalanx": phalanx.__version__},
