@@ -30,7 +30,7 @@ def start_trace(path: str, *, mark_cycles: bool = False) -> str:
     non-blocking call (start to the ``wait()`` that returned it) and per
     gradient-bucket reduction of ``phalanx.torch`` (launch to completion), on
     rows per kind. Open the file in ``chrome://tracing`` or https://ui.perfetto.dev.
-    Recording costs a few microseconds per call; not recording costs nothing.
+    Recording costs about 10 microseconds per call; not recording, one flag check (~15 ns).
 
     Arguments:
         path: the file to write; ``{rank}`` in it is replaced by this rank (without
