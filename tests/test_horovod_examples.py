@@ -15,7 +15,8 @@ rank=hvd.rank())``, metrics through ``hvd.allreduce``, and its ``horovod.run``
 path), and the ResNet loop (LR warm-up scaled by ``hvd.size()``, a checkpoint
 per epoch from rank 0, and a resume that broadcasts the epoch, the weights and
 the optimizer state: a resumed job ends where one that ran straight through
-ends).
+ends). The step benchmark (``benchmarks/horovod_step.py``), shrunk, also shows
+``hvd.DistributedOptimizer`` training bit-for-bit what phalanx's own does.
 """
 
 from __future__ import annotations
@@ -172,3 +173,17 @@ def test_resnet_warmup_checkpoint_and_resume(backend: str, resnet_straight: str,
     assert LR_LINE.findall(again)[0][1:] == ("0.010000", "0.010000"), again
     # resumed on the broadcast weights and momentum: where the job that ran straight through ended
     _assert_same_model(os.path.join(tmp, "checkpoint-3.pth.tar"), resnet_straight, rtol=1e-4, atol=1e-5)
+
+
+# -- the benchmark of the Horovod API against phalanx's own (benchmarks/horovod_step.py), in miniature -------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_horovod_step_benchmark_trains_what_phalanx_trains(backend: str) -> None:
+    script = os.path.join(ROOT, "benchmarks", "horovod_step.py")
+    cmd = [sys.executable, "-m", "phalanx", "run", "-np", "2", "--backend", backend, script, "--rounds", "1",
+           "--blocks", "1", "--steps", "2", "--warmup", "1", "--mlp-width", "32"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    # the same weights, batches and steps through hvd.DistributedOptimizer and phalanx's: bit-for-bit equal models
+    assert "models equal in every round: True" in done.stdout, done.stdout
