@@ -8,8 +8,11 @@ SGD, Adam, a jitted step, MultiSteps and compression).
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -24,7 +27,12 @@ from conftest import MULTI_WORLDS, world_params  # noqa: E402
 from phalanx.testing import WorldFailed, run_world  # noqa: E402
 
 JAX_WORLDS = [("mpi", 1), ("mpi", 2), ("mpi", 3), ("gloo", 1), ("gloo", 2), ("gloo", 3)]
-ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
+# XLA compiles the same reference steps in every world: a compilation cache shared by this session's
+# worlds (steps with host callbacks are never cached, so the distributed ones still compile).
+CACHE = tempfile.mkdtemp(prefix="phalanx-jax-cache-")
+atexit.register(shutil.rmtree, CACHE, True)
+ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
+       "JAX_COMPILATION_CACHE_DIR": CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
 
 @pytest.mark.parametrize("behaviour", bodies.JAX.names)

@@ -291,6 +291,24 @@ def _(r: int, n: int) -> None:
     np.testing.assert_allclose(np.asarray(params["w"]), [-0.2 * (n + 1) / 2] * 2, rtol=1e-6)
 
 
+@JAX.behaviour("jitted-reduction-of-a-mismatched-shape-raises-on-every-rank-naming-the-leaf")
+def _(r: int, n: int) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    import phalanx.jax as px
+
+    if n == 1:
+        return
+    tree = {"a": jnp.ones(4), "b": jnp.ones((2, 2 + (r == 1)))}  # sizes differ too: last, it may stall
+    try:
+        jax.block_until_ready(jax.jit(px.allreduce_gradients)(tree))
+    except Exception as exc:  # XLA wraps what the callback raised
+        assert "CollectiveMismatchError" in str(exc) and "['b']" in str(exc), str(exc)[-800:]
+    else:
+        raise AssertionError("a shape mismatch inside jit was not caught")
+
+
 def jax_world() -> dict[str, Any]:
     """World body: every JAX behaviour, each reported on its own."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

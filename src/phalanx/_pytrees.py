@@ -16,7 +16,9 @@ the same :class:`CollectiveMismatchError` on every rank, naming the first
 differing leaf. Later calls with a structure already agreed skip the check:
 a rank whose structure changed then makes that check while the others reduce,
 which the per-call agreement of :func:`phalanx.allreduce` turns into a
-CollectiveMismatchError on every rank too. jax is never imported here.
+CollectiveMismatchError on every rank too. Inside ``jax.jit``
+(:mod:`phalanx.jax`) the first callback of a compiled step makes the same
+check. jax is never imported here.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from ._collectives import allreduce
 from ._errors import CollectiveMismatchError
 from ._groups import world_for
 
-__all__ = ["COMPRESSIONS", "has_jax_leaves", "reduce_host", "reduce_jax_tree"]
+__all__ = ["COMPRESSIONS", "agree_structure", "has_jax_leaves", "reduce_host", "reduce_jax_tree",
+           "structure_entries"]
 
 COMPRESSIONS = {None: None, "none": None, "fp16": "float16", "bf16": "bfloat16"}
 _MASK = (1 << 62) - 1
@@ -121,9 +124,25 @@ def _size(group: Any) -> int:
 
 def _agree_once(jax: Any, treedef: Any, pairs: list[tuple[Any, Any]], arrays: list[int], op: str,
                 group: Any, call: str) -> None:
-    entries = [(jax.tree_util.keystr(pairs[i][0]), str(pairs[i][1].dtype), list(pairs[i][1].shape))
-               for i in arrays]
-    key = (id(group), str(treedef), op, json.dumps(entries))
+    fast = (id(group), treedef, op, tuple((pairs[i][1].shape, str(pairs[i][1].dtype)) for i in arrays))
+    if fast in _agreed:  # this structure was agreed on before: no paths to build, no call
+        return
+    agree_structure(structure_entries(jax, [pairs[i] for i in arrays]), op, group, call)
+    _agreed[fast] = None
+
+
+def structure_entries(jax: Any, pairs: list[tuple[Any, Any]]) -> list[tuple[str, str, list[int]]]:
+    """``(path, dtype, shape)`` of each ``(key path, array)`` pair: what the ranks compare."""
+    return [(jax.tree_util.keystr(path), str(x.dtype), [int(d) for d in x.shape]) for path, x in pairs]
+
+
+def agree_structure(entries: list[tuple[str, str, list[int]]], op: str, group: Any, call: str) -> None:
+    """Once per structure: one small allreduce; a difference raises the same error on every rank.
+
+    Raises CollectiveMismatchError naming the first leaf whose path, dtype or
+    shape differs (or the op), and what :func:`phalanx.allreduce` raises.
+    """
+    key = (id(group), op, json.dumps(entries))
     if key in _agreed:
         return
     text = json.dumps([op, entries], separators=(",", ":"))
@@ -132,7 +151,7 @@ def _agree_once(jax: Any, treedef: Any, pairs: list[tuple[Any, Any]], arrays: li
     seen = allreduce(np.array([digest, -digest], np.int64), op="max", **kwargs)
     if int(seen[0]) != digest or int(seen[1]) != -digest:
         _explain(entries, op, group, call)
-    if len(_agreed) > 64:
+    if len(_agreed) > 128:
         _agreed.clear()
     _agreed[key] = None
 
