@@ -208,6 +208,7 @@ def accuracy(output, target):
 def save_checkpoint(epoch):
     if hvd.rank() == 0:
         filepath = args.checkpoint_format.format(epoch=epoch + 1)
+        os.makedirs(os.path.dirname(filepath) or '.', exist_ok=True)
         state = {
             'model': model.state_dict(),
             'optimizer': optimizer.state_dict(),
