@@ -51,6 +51,12 @@ def test_a_rank_that_raises_inside_a_jitted_step_ends_the_job_with_its_traceback
     assert "rank 1" in report and "boom on rank 1 inside the jitted step" in report, report
 
 
+@pytest.mark.parametrize("backend,n", world_params([("mpi", 2), ("gloo", 3)]))
+def test_initialize_distributed_lets_jax_pmean_over_the_processes(backend: str, n: int) -> None:
+    results = run_world(bodies.psum_world, n, backend, op_timeout=30, timeout=90, env=ENV)
+    assert results == [[(n + 1) / 2] * 3] * n, results
+
+
 def test_import_phalanx_jax_imports_jax_but_import_phalanx_does_not() -> None:
     code = ("import sys, phalanx; assert 'jax' not in sys.modules, 'phalanx imported jax'; "
             "import phalanx.jax; assert 'jax' in sys.modules and 'optax' in sys.modules")

@@ -336,3 +336,24 @@ def raises_in_jitted_step() -> None:
     w = jnp.ones(3)
     for _ in range(3):
         w = jax.block_until_ready(step(w))
+
+
+def psum_world() -> list[float]:
+    """jax.distributed set up by phalanx.jax.initialize_distributed: pmean over processes in shard_map."""
+    import phalanx.jax as px
+
+    px.initialize_distributed()  # before any other JAX call
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = px.process_mesh()
+    local = jnp.full((1, 3), float(px.rank() + 1))
+    rows = jax.make_array_from_process_local_data(NamedSharding(mesh, P("ranks")), local)
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is None:  # jax < 0.7
+        from jax.experimental.shard_map import shard_map
+    mean = jax.jit(shard_map(lambda x: jax.lax.pmean(x, "ranks"), mesh=mesh, in_specs=P("ranks"),
+                             out_specs=P()))(rows)
+    return np.asarray(mean.addressable_data(0)).reshape(-1).tolist()

@@ -16,6 +16,7 @@ process, ``local_rank()``, on GPUs: NCCL). The world phalanx launched
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from typing import Any
@@ -59,7 +60,7 @@ def initialize_distributed(cpu_collectives: str = "gloo", timeout: int = 300) ->
         address[:len(text)] = np.frombuffer(text, np.uint8)
     address = phalanx.broadcast(address, root=0)
     coordinator = bytes(address).rstrip(b"\0").decode()
-    gpus = [d for d in _platforms() if d != "cpu"]
+    gpus = _uses_gpus()
     try:
         if not gpus:
             jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
@@ -87,15 +88,13 @@ def process_mesh() -> Any:
     return jax.sharding.Mesh(np.array(devices), (_AXIS,))
 
 
-def _platforms() -> set[str]:
-    names = os.environ.get("JAX_PLATFORMS", "")
+def _uses_gpus() -> bool:
+    """Whether JAX will run on GPUs, decided before its backends start (``JAX_PLATFORMS``, else a CUDA/ROCm plugin)."""
+    names = [n.strip().lower() for n in os.environ.get("JAX_PLATFORMS", "").split(",") if n.strip()]
     if names:
-        return {n.strip() for n in names.split(",") if n.strip()}
-    try:
-        import importlib.util
-        return {"cuda"} if importlib.util.find_spec("jax_cuda12_plugin") else {"cpu"}
-    except (ImportError, ValueError):
-        return {"cpu"}
+        return any(n != "cpu" for n in names)
+    return any(importlib.util.find_spec(m) is not None
+               for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin"))
 
 
 def _coordinator_host() -> str:
