@@ -9,11 +9,13 @@ SGD, Adam, a jitted step, MultiSteps and compression).
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +63,16 @@ def test_import_phalanx_jax_imports_jax_but_import_phalanx_does_not() -> None:
     code = ("import sys, phalanx; assert 'jax' not in sys.modules, 'phalanx imported jax'; "
             "import phalanx.jax; assert 'jax' in sys.modules and 'optax' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_demo_with_jax_matches_one_process_and_the_packaged_script_is_the_example() -> None:
+    root = Path(__file__).resolve().parents[1]
+    example = (root / "examples" / "jax_digits.py").read_text(encoding="utf-8")
+    assert example == (root / "src" / "phalanx" / "examples" / "jax_digits.py").read_text(encoding="utf-8")
+    pytest.importorskip("sklearn")
+    done = subprocess.run([sys.executable, "-m", "phalanx", "demo", "--framework", "jax", "--epochs", "3"],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, **ENV})
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "Same accuracy: data-parallel training on 2 processes matches 1 process" in out, out[-3000:]
+    assert "equinox MLP" in out and "epoch   3/3" in out, out[-3000:]
