@@ -27,10 +27,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "phalanx._net", "phalanx._trace")),
     ("comm", ("phalanx.comm", "phalanx.comm.")),
     ("world/collectives", ("phalanx._world", "phalanx._collectives", "phalanx._nonblocking", "phalanx._agreement", "phalanx._failure",
-                           "phalanx._output")),
+                           "phalanx._output", "phalanx._groups")),
     # `phalanx` itself re-exports these and the layers below.
     ("sync/data/tree/gradients", ("phalanx", "phalanx._sync", "phalanx._data", "phalanx._tree",
-                                  "phalanx._gradients", "phalanx._tracing")),
+                                  "phalanx._gradients", "phalanx._tracing", "phalanx._pytrees")),
     ("torch/jax", ("phalanx.torch", "phalanx.torch.", "phalanx.jax", "phalanx.jax.")),
     ("train", ("phalanx.train", "phalanx.train.", "phalanx.examples", "phalanx.examples.")),
     ("launch", ("phalanx.launch", "phalanx.launch.")),

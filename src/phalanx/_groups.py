@@ -33,7 +33,7 @@ from ._world import _MASK, CALL_CODES, World, current
 from .comm._base import Backend
 from .comm._subgroups import make_subbackend, release_subbackend
 
-__all__ = ["Group", "GroupWorld", "destroy_group", "new_group", "release_groups", "world_for", "world_group"]
+__all__ = ["Group", "GroupWorld", "destroy_group", "new_group", "world_for", "world_group"]
 
 
 class Group:
@@ -65,6 +65,16 @@ class Group:
     def __repr__(self) -> str:
         state = " destroyed" if self._destroyed else (f" rank {self.rank}" if self.member else " (not a member)")
         return f"<phalanx.Group ranks={list(self.ranks)}{state}>"
+
+    def release(self, world: World) -> None:
+        """Release this group on ``world``'s shutdown (local, bounded, never raises).
+
+        ``phalanx.shutdown()`` calls it for each live group, so ``_world`` need not import this module.
+        """
+        try:
+            _release(world, self)
+        except Exception:  # noqa: BLE001 - leaving must not fail on a group's teardown
+            self._destroyed = True
 
 
 class GroupWorld(World):
@@ -287,7 +297,4 @@ def _release(world: World, group: Group) -> None:
 def release_groups(world: World) -> None:
     """Release every group of ``world`` (``phalanx.shutdown()``; local, bounded, never raises)."""
     for group in list(world.groups):
-        try:
-            _release(world, group)
-        except Exception:  # noqa: BLE001 - leaving must not fail on a group's teardown
-            group._destroyed = True
+        group.release(world)

@@ -346,10 +346,8 @@ def shutdown() -> None:
     except PhalanxError as exc:  # the peers failed or never came: leave anyway, quickly
         world.broken = world.broken or f"shutdown failed: {type(exc).__name__}"
     finally:
-        if world.groups:
-            from ._groups import release_groups
-
-            release_groups(world)
+        for group in list(world.groups):  # each Group releases itself (no import of _groups here)
+            group.release(world)
         world.backend.shutdown()
 
 
