@@ -5,6 +5,8 @@ on mpi and gloo (one world per backend and size, one test id per behaviour)."""
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 
 import pytest
@@ -13,6 +15,7 @@ import worlds_horovod_training as bodies
 from conftest import world_params
 
 COMMITS = tempfile.mkdtemp(prefix="hvd-elastic-")  # TorchState.commit() writes here
+atexit.register(shutil.rmtree, COMMITS, True)
 WORLDS = [("mpi", 1), ("mpi", 2), ("mpi", 3), ("gloo", 1), ("gloo", 2), ("gloo", 3)]
 
 

@@ -35,15 +35,21 @@ import pytest
 from conftest import AVAILABLE
 
 pytest.importorskip("torch")
+SOURCE = os.environ.get("PHALANX_HOROVOD_EXAMPLES", "")
+if SOURCE and not all(os.path.isfile(os.path.join(SOURCE, f))
+                      for f in ("pytorch_synthetic_benchmark.py", "pytorch_mnist.py")):
+    raise RuntimeError(f"PHALANX_HOROVOD_EXAMPLES={SOURCE!r} does not hold pytorch_synthetic_benchmark.py and "
+                       "pytorch_mnist.py (Horovod's examples/pytorch): fix the path or unset the variable")
 try:
     import torchvision  # noqa: F401
 except Exception as error:  # noqa: BLE001  # torchvision built for another torch fails with RuntimeError
+    if SOURCE:  # asked for explicitly: a broken torchvision is a failure, not a skip
+        raise
     pytest.skip(f"torchvision does not import here ({type(error).__name__}: {str(error)[:200]}); Horovod's "
                 "examples need it: run this file from an environment with a matching torch and torchvision, "
                 "e.g. `pip install torch==2.14.1 torchvision==0.29.1`", allow_module_level=True)
 
-SOURCE = os.environ.get("PHALANX_HOROVOD_EXAMPLES", "")
-if not os.path.isdir(SOURCE):
+if not SOURCE:
     pytest.skip("set PHALANX_HOROVOD_EXAMPLES to a folder holding Horovod's examples/pytorch scripts "
                 "(pytorch_synthetic_benchmark.py, pytorch_mnist.py) to run them on phalanx",
                 allow_module_level=True)

@@ -19,6 +19,11 @@ from pathlib import Path
 
 import pytest
 
+if os.environ.get("PHALANX_REQUIRE_JAX"):  # CI's run on the oldest JAX: a package that fails to import fails
+    import equinox  # noqa: F401
+    import flax  # noqa: F401
+    import jax  # noqa: F401
+    import optax  # noqa: F401
 pytest.importorskip("jax")
 pytest.importorskip("optax")
 pytest.importorskip("flax")
@@ -47,8 +52,8 @@ def test_jax(worlds, backend: str, n: int, behaviour: str) -> None:
 def test_a_rank_that_raises_inside_a_jitted_step_ends_the_job_with_its_traceback(backend: str, n: int) -> None:
     start = time.monotonic()
     with pytest.raises(WorldFailed) as failed:
-        run_world(bodies.raises_in_jitted_step, n, backend, op_timeout=30, timeout=60, env=ENV)
-    assert time.monotonic() - start < 40
+        run_world(bodies.raises_in_jitted_step, n, backend, op_timeout=60, timeout=90, env=ENV)
+    assert time.monotonic() - start < 50, "the job waited for the peers' timeout instead of ending at the error"
     report = str(failed.value)
     assert "rank 1" in report and "boom on rank 1 inside the jitted step" in report, report
 

@@ -381,3 +381,32 @@ def training() -> dict[str, str | None]:
     np.random.seed(0)
     hvd.init()
     return TRAINING.run(phalanx.rank(), phalanx.size())
+
+
+@TRAINING.behaviour("a-step-while-a-rank-has-joined-is-a-mismatch-on-the-active-ranks-then-join-completes")
+def _(r: int, n: int) -> None:
+    model = _model()
+    opt = hvd.DistributedOptimizer(_sgd(model.parameters()), named_parameters=model.named_parameters())
+    x, y = (t.double()[0] for t in _data(n, 1))
+    if n == 1:  # nobody else: the step runs, join returns this rank
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        assert hvd.join() == 0
+        return
+    # No join exchange completes before every rank has joined (the others' step was refused), so all
+    # join in the same exchange and join() returns the highest of them (as _join.py documents).
+    if r == n - 1:  # out of data first: waits in join while the others try a step
+        assert hvd.join() == n - 1
+        return
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    except phalanx.CollectiveMismatchError:
+        pass
+    else:
+        raise AssertionError("a gradient reduction ran while a rank was joined")
+    for p, q in zip(model.parameters(), before, strict=True):  # no gradient moved into the weights
+        assert torch.equal(p.detach(), q)
+    opt.zero_grad()
+    assert hvd.join() == n - 1

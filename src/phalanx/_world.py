@@ -58,7 +58,7 @@ CALLS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "reduce_scat
          "barrier", "iallreduce", "ibroadcast", "broadcast_object", "allgather_object", "shutdown",
          # the gradient engine's step agreements (phalanx.torch, check_steps)
          "torch.DistributedOptimizer", "torch.DistributedOptimizer.step", "torch.DataParallel",
-         "new_group", "destroy_group")
+         "new_group", "destroy_group", "horovod.torch.DistributedOptimizer")
 CALL_CODES = {name: i for i, name in enumerate(CALLS)}
 OP_CODES = {name: i for i, name in enumerate(OPS)}
 _MASK = (1 << 62) - 1

@@ -26,7 +26,7 @@ import numpy as np
 
 import phalanx
 
-from .._errors import UsageError
+from .._errors import InvalidArgumentError, UsageError
 
 __all__ = ["initialize_distributed", "process_mesh"]
 
@@ -46,8 +46,17 @@ def initialize_distributed(cpu_collectives: str = "gloo", timeout: int = 300) ->
     Call it once, after ``phalanx.init()`` (called here if needed) and before any
     other JAX computation (JAX's own rule). A world of one rank does nothing.
     Collective: every rank must call it. Raises UsageError when JAX's backends
-    are already started, and what ``jax.distributed.initialize`` raises.
+    are already started, InvalidArgumentError for a bad argument, and what
+    ``jax.distributed.initialize`` raises.
     """
+    if cpu_collectives not in ("gloo", "mpi"):
+        raise InvalidArgumentError(
+            f"phalanx.jax.initialize_distributed(cpu_collectives={cpu_collectives!r}): XLA's CPU collectives "
+            "are 'gloo' or 'mpi'; pass one of them (or leave the default, 'gloo').")
+    if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout <= 0:
+        raise InvalidArgumentError(
+            f"phalanx.jax.initialize_distributed(timeout={timeout!r}): give the seconds to wait for every "
+            "process as a positive int (e.g. timeout=300).")
     if not phalanx.initialized():
         phalanx.init()
     size, rank = phalanx.size(), phalanx.rank()

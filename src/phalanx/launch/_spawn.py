@@ -26,7 +26,7 @@ from ._job import GRACE, Launch, Signals, notice, worker_command
 from ._jobdir import any_record, read_records
 from ._logs import Echo, log_path, pump
 from ._procs import child_setup, signal_name, stop_groups
-from ._report import Death, describe_exit, failure_report, first_failure
+from ._report import ECHOES, Death, describe_exit, failure_report, first_failure
 from ._start import StartClock
 
 __all__ = ["Outcome", "Placement", "free_port", "run_spawn"]
@@ -110,6 +110,8 @@ def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals,
         if failed or why_lost or signals.received or not running or clock.overdue(time.monotonic()):
             break
         time.sleep(POLL)
+    if failed and not ranks.failed():  # only a record so far: a moment to see the rank that caused it die
+        running = _await_cause(job_dir, ranks)
     if running:
         grace = signals.stop_grace if signals.received and not failed else GRACE
         for rank in _stop(procs, running, set(read_records(job_dir)), ranks.reap, lambda: signals.count > 1, grace):
@@ -150,6 +152,21 @@ def _start_ranks(job: Launch, env: dict[str, str], placement: Placement) -> dict
                     GRACE)
         raise
     return procs
+
+
+def _await_cause(job_dir: str, ranks: _Ranks, wait: float = 0.5) -> list[int]:
+    """When every record so far is an echo (a peer lost, a broken world), wait up to ``wait`` s for
+    its cause: a rank seen dying (e.g. SIGKILLed) or a record of another kind. Without this, a rank
+    that died a moment before its peers reported the loss would be counted as stopped by the
+    launcher, and the report would name a peer first. Returns the ranks still running."""
+    deadline = time.monotonic() + wait
+    while True:
+        running = ranks.reap()
+        records = read_records(job_dir)
+        if (ranks.failed() or any(r.get("type") not in ECHOES for r in records.values())
+                or time.monotonic() >= deadline):
+            return running
+        time.sleep(POLL)
 
 
 class _Ranks:

@@ -127,8 +127,20 @@ def fail(exc: BaseException) -> None:
     sys.exit(1)
 
 
+def _whole_lines() -> None:
+    """Write the rank's output a line at a time: the launcher sets PYTHONUNBUFFERED (nothing is held
+    back), under which ``print`` writes its text and its newline separately, so two ranks sharing the
+    launcher's stdout could splice their lines together."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(write_through=False, line_buffering=True)  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):  # replaced or closed by the caller: leave it
+            pass
+
+
 def main() -> None:
     rank = env_rank()  # from the environment: needed before MPI is initialized
+    _whole_lines()
     if not on_launch_host():  # the launcher's job directory is on its host: its files go through stderr
         os.environ.pop("PHALANX_JOB_DIR", None)
         keep_job_channel()

@@ -6,8 +6,20 @@ with phalanx's timeouts and mismatch errors where Horovod would stall. What
 differs from Horovod, and why, is in ``docs/horovod.md``.
 """
 
-from __future__ import annotations
-
+from . import (
+    _adasum,
+    _async,
+    _autograd,
+    _basics,
+    _compression,
+    _functions,
+    _join,
+    _ops,
+    _optimizer,
+    _process_sets,
+    _sync_batch_norm,
+    _timeline,
+)
 from . import elastic as elastic  # hvd.elastic: run, TorchState, ElasticSampler
 from ._adasum import *  # noqa: F403
 from ._async import *  # noqa: F403
@@ -21,3 +33,7 @@ from ._optimizer import *  # noqa: F403
 from ._process_sets import *  # noqa: F403
 from ._sync_batch_norm import *  # noqa: F403
 from ._timeline import *  # noqa: F403
+
+__all__ = ["elastic", *sorted({name for module in (_adasum, _async, _autograd, _basics, _compression, _functions,
+                                                   _join, _ops, _optimizer, _process_sets, _sync_batch_norm,
+                                                   _timeline) for name in module.__all__})]

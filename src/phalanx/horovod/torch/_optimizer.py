@@ -119,7 +119,11 @@ class _HorovodOptimizer(torch.optim.Optimizer):
                                    "compression": wire_compression("DistributedOptimizer", self._compression),
                                    "passes_per_reduction": self.backward_passes_per_step}
         options["group"] = self._hvd_group
-        return _Buckets(params, names, prescale=prescale, postscale=postscale, guard=size > 1, **options)
+        engine = _Buckets(params, names, prescale=prescale, postscale=postscale, guard=size > 1, **options)
+        # One tiny agreement before each reduction (as Horovod negotiates each step): a rank that called
+        # hvd.join() makes it a mismatch on the active ranks, never a gradient paired with its exchange.
+        engine.check_steps = size > 1
+        return engine
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Accumulate ``passes`` backward passes locally before reducing (as the constructor's argument)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -46,7 +47,8 @@ def run(func: _F) -> _F:
     Before calling ``func``, a restarted job (``PHALANX_RESTART_COUNT`` > 0, under
     ``phalanx run --max-restarts K``) loads the last ``state.commit()`` from disk, calls the
     state's reset callbacks, and every rank takes rank 0's state (``state.sync()``); a first
-    attempt only syncs. A failure is not caught: the job ends and the launcher starts it again.
+    attempt removes an earlier job's commit file (rank 0; as in Horovod, a commit lives as long as
+    its job) and syncs. A failure is not caught: the job ends and the launcher starts it again.
     Without ``--max-restarts``, the job runs as an ordinary one and says so once (rank 0).
 
     Arguments:
@@ -61,6 +63,9 @@ def run(func: _F) -> _F:
             _say_once("phalanx.horovod.torch.elastic: this job runs without restarts, as an ordinary job: a "
                       "failure ends it. Start it with `phalanx run --max-restarts K ...` to restart it from the "
                       "last state.commit() after a failure.")
+        if count == 0 and isinstance(state, TorchState) and (not phalanx.initialized() or phalanx.rank() == 0):
+            with contextlib.suppress(FileNotFoundError):  # an earlier job's: a commit lives as long as its job
+                os.remove(state.commit_file)
         if count > 0:
             loaded = isinstance(state, TorchState) and state.load_commit()
             if loaded:
