@@ -30,7 +30,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                            "phalanx._output", "phalanx._groups")),
     # `phalanx` itself re-exports these and the layers below.
     ("sync/data/tree/gradients", ("phalanx", "phalanx._sync", "phalanx._data", "phalanx._tree",
-                                  "phalanx._gradients", "phalanx._tracing", "phalanx._pytrees")),
+                                  "phalanx._gradients", "phalanx._tracing", "phalanx._pytrees",
+                                  "phalanx._sync_errors")),
     ("torch/jax", ("phalanx.torch", "phalanx.torch.", "phalanx.jax", "phalanx.jax.")),
     ("train", ("phalanx.train", "phalanx.train.", "phalanx.examples", "phalanx.examples.")),
     ("launch", ("phalanx.launch", "phalanx.launch.")),

@@ -43,8 +43,9 @@ import numpy as np
 
 from ._arrays import UnsupportedArgumentError, is_jax_array, jax_host_view
 from ._collectives import allreduce, broadcast
-from ._errors import CollectiveMismatchError, InvalidArgumentError
+from ._errors import InvalidArgumentError
 from ._groups import Group, world_for
+from ._sync_errors import mismatch_error
 from ._tree import Node, flatten, jax_node, unflatten
 
 __all__ = ["synchronize"]
@@ -262,62 +263,7 @@ def _agree(leaves: list[_Leaf], root: int, size: int, group: Group | None = None
 def _explain(leaves: list[_Leaf], root: int, size: int, group: Group | None = None) -> None:
     tables = world_for(group, "synchronize").allgather_json(
         "synchronize", {"root": root, "entries": [[*leaf.key(), leaf.note] for leaf in leaves]})
-    roots = [t["root"] for t in tables]
-    if len(set(roots)) > 1:
-        lines = [f"  rank {r}: root={x}" for r, x in enumerate(roots)]
-        raise CollectiveMismatchError("phalanx.synchronize: the ranks passed different roots, so nothing "
-                                      "was sent:\n" + "\n".join(lines) + "\nEvery rank must pass the same "
-                                      "`root`.")
-    by_path = [{e[0]: e for e in t["entries"]} for t in tables]
-    order = list(dict.fromkeys(e[0] for t in tables for e in t["entries"]))
-    for path in order:
-        found = [entries.get(path) for entries in by_path]
-        if len({json.dumps(e[:5] if e else None) for e in found}) > 1:
-            lines = [f"  rank {r}: {_describe(e)}" for r, e in enumerate(found)]
-            raise CollectiveMismatchError(
-                f"phalanx.synchronize: the ranks' objects differ at {path}, so nothing was sent:\n"
-                + "\n".join(lines) + "\n" + _hint(path, found))
-    lines = [f"  rank {r}: {[e[0] for e in t['entries']][:8]}" for r, t in enumerate(tables)]
-    raise CollectiveMismatchError(
-        "phalanx.synchronize: the ranks hold the same entries in a different order, so nothing was "
-        "sent:\n" + "\n".join(lines) + "\nBuild the model and optimizer the same way on every rank.")
-
-
-def _describe(entry: list[Any] | None) -> str:
-    if entry is None:
-        return "nothing (no such entry)"
-    _path, kind, dtype, shape, place, note = entry
-    if kind == "skip":
-        return f"{note} (not synchronized)"
-    if kind == "unsupported":
-        return f"{note} (cannot be sent)"
-    if kind == "jax":
-        return f"a {dtype}{shape} JAX array"
-    if kind in ("tensor", "ndarray"):
-        where = f" on {'the CPU' if place == 'host' else place}" if kind == "tensor" else ""
-        return f"a {dtype}{shape} {'torch tensor' if kind == 'tensor' else 'NumPy array'}{where}"
-    if kind == "npscalar":
-        return f"a NumPy scalar of dtype {np.dtype(dtype).name}"
-    return f"a Python {kind}"
-
-
-def _hint(path: str, found: list[list[Any] | None]) -> str:
-    present = [e for e in found if e is not None]
-    if len(present) < len(found):
-        if ".state[" in path:
-            return ("An optimizer has state only after its first step(): synchronize it before the first "
-                    "step on every rank, or after a step on every rank.")
-        return ("Every rank must hold the same keys, fields and list lengths: build the object the same "
-                "way on every rank.")
-    kinds, dtypes, shapes = ({json.dumps(e[i]) for e in present} for i in (1, 2, 3))
-    if len(kinds) > 1:
-        return "Every rank must hold the same kind of value here (e.g. a float, not an int, on every rank)."
-    if len(dtypes) > 1:
-        return "Every rank must hold the same dtype here: cast on the ranks that differ (e.g. `model.float()`)."
-    if len(shapes) > 1:
-        return "Every rank must hold the same shape here: build the model with the same configuration."
-    return ("Tensors must be on the same kind of device on every rank (all on the CPU, or all on a GPU): "
-            "move them with `.to(phalanx.device())` first.")
+    raise mismatch_error(tables)
 
 
 # -- moving the bytes ---------------------------------------------------------------------------
