@@ -34,7 +34,7 @@ from phalanx.testing import SimulatedHosts, simulated_hosts
 BODY = str(Path(__file__).with_name("worlds_host_failures.py"))
 S = 5.0             # --timeout of the fault tests (seconds)
 RAISE_GRACE = 4.0   # diagnosis (at most 2 s; S/4 here) plus 2 s of slack, from the fault to a rank's error
-END_GRACE = 10.0    # the ranks' errors, then stopping every rank on every host and reporting
+END_GRACE = 12.0    # the errors (diagnosis S/4), MPI_Abort's 5 s (ABORT_GRACE), SIGTERM's 3 s (GRACE), reporting
 LEFT_BOUND = 10.0   # seconds after the launcher's end by which no process may be left on any host
 START_S = 90.0      # for the job to start and run its first allreduces
 

@@ -51,7 +51,14 @@ import numpy as np
 from .._arrays import NATIVE_NUMPY_DTYPES
 from . import _halfsum
 from ._base import PeerLost, WaitTimeout
-from ._mpilib import MPIRequest, check_launcher_agrees, detect_gpu_aware, import_mpi, mpi_available
+from ._mpilib import (
+    MPIRequest,
+    check_launcher_agrees,
+    detect_gpu_aware,
+    import_mpi,
+    mpi_available,
+    preconnect,
+)
 from ._wait import poll
 
 __all__ = ["MPIBackend", "detect_gpu_aware", "mpi_available"]
@@ -82,6 +89,7 @@ class MPIBackend:
         check_launcher_agrees(MPI.COMM_WORLD.Get_size())
         self.comm = MPI.COMM_WORLD.Dup()
         self._diag = MPI.COMM_WORLD.Dup()
+        preconnect(self._diag, _DIAG_TAG)  # a diagnosis must never open a connection (see preconnect)
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)

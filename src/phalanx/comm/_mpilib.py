@@ -86,6 +86,26 @@ def check_launcher_agrees(size: int) -> None:
             )
 
 
+def preconnect(comm: Any, tag: int) -> None:
+    """Open every pair's connection now, with one byte each way on ``comm``, while the network is known good.
+
+    MPI connects a pair of ranks on their first message. A rank whose first message to a peer goes out
+    behind a partition (the diagnosis of a timed-out call tells every peer where it is stuck) is ended
+    by Open MPI's TCP transport at once (exit 14, no error the program can catch), before phalanx can
+    raise; over a connection that exists, the same message just waits in the socket buffer.
+    """
+    import numpy as np
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size == 1:
+        return
+    token, inbox = np.zeros(1, np.uint8), np.empty(size, np.uint8)
+    peers = [r for r in range(size) if r != rank]
+    reqs = [comm.Irecv(inbox[r:r + 1], source=r, tag=tag) for r in peers]
+    reqs += [comm.Isend(token, dest=r, tag=tag) for r in peers]
+    type(reqs[0]).Waitall(reqs)
+
+
 _ABANDONED: list[Any] = []  # requests whose wait timed out (MPIRequest.wait)
 
 

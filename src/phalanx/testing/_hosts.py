@@ -284,7 +284,9 @@ class SimulatedHosts:
         """Take host ``i``'s link down at the switch: its packets go nowhere, its connections stall.
 
         New ``rsh`` connections to or from it fail (exit 255) after ssh's connect timeout; ``rsh``
-        streams already open keep flowing (they do not cross the simulated network). Undo with
+        streams already open keep flowing (they do not cross the simulated network), but an ``rsh``
+        client signalled while the cut lasts leaves its command running for 5 s, as a real ssh
+        connection's far end would (a launcher cannot end a cut host's ranks through it). Undo with
         :meth:`heal`.
         """
         i = self._index(i, "cut")

@@ -19,6 +19,11 @@ importable. It behaves as ``ssh`` does where a launcher can tell:
   the host this runs on is cut, it exits 255 after the connect timeout, both
   with ssh's message. The exit status is the
   command's own, or 255 when a signal ended it.
+- Signalled (SIGTERM, SIGHUP, SIGINT) while either link is cut, it exits 255 at
+  once but the command does not see it go for ``CUT_NOTICE_S`` seconds (or
+  until it ends), as the far end of a real ssh connection hears nothing of a
+  client that dies behind a partition: a launcher that gives up on a cut host
+  cannot end that host's processes through its ssh streams, only they can.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from collections.abc import Iterable
 SSH_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # what sshd gives (Debian)
 _WITH_VALUE = set("BbcDEeFIiJLlmOopQRSWw")  # ssh options that take an argument
 _DEFAULT_CONNECT_TIMEOUT = 10.0
+CUT_NOTICE_S = 5.0  # how long the far side of a connection cut by a partition keeps it open after we die
+_CONNECTION: dict[str, object] = {}  # the running command: "target", "hosts", "pid" (for the signal handler)
 
 
 def parse(args: list[str]) -> tuple[dict[str, str], str, list[str]]:
@@ -147,6 +154,7 @@ def run(config: dict[str, object], args: list[str]) -> int:
     stdin = subprocess.DEVNULL if "n" in opts else subprocess.PIPE
     proc = subprocess.Popen(cmd, env=env, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
+    _CONNECTION.update(target=entry, hosts=list(hosts.values()), pid=proc.pid)
     if proc.stdin is not None:  # never joined: it may wait on our stdin after the command ended
         threading.Thread(target=_pump, args=(0, os.dup(proc.stdin.fileno()), True), daemon=True).start()
         proc.stdin.close()
@@ -163,9 +171,32 @@ def run(config: dict[str, object], args: list[str]) -> int:
     return status if status >= 0 else 255
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _hang_up(signum: int, frame: object) -> None:
+    """Like ssh: go at once. The pipes close behind us, unless a partition cuts the connection: then a
+    detached child keeps them open for ``CUT_NOTICE_S`` (or until the command ends), the time the far end
+    would take to notice."""
+    target, hosts, pid = (_CONNECTION.get(k) for k in ("target", "hosts", "pid"))
+    if target is not None and _unreachable(target, hosts) and os.fork() == 0:  # type: ignore[arg-type]
+        os.setsid()
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        deadline = time.monotonic() + CUT_NOTICE_S
+        while time.monotonic() < deadline and _alive(pid):  # type: ignore[arg-type]
+            time.sleep(0.1)
+    os._exit(255)
+
+
 def main() -> None:
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # like ssh: go, and the pipes close behind us
-        signal.signal(sig, lambda *_: os._exit(255))
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, _hang_up)
     with open(sys.argv[1]) as f:
         config = json.load(f)
     status = run(config, sys.argv[2:])
