@@ -1,4 +1,4 @@
-"""``phalanx bench allreduce|broadcast``: phalanx against the raw libraries, same run, same buffers.
+"""``phalanx bench allreduce|broadcast|predict``: phalanx against the raw libraries, same run, same buffers.
 
 Launched alone, it starts a world of ``-n`` ranks through ``phalanx run`` and
 re-enters itself in every rank (``--worker``). In an MPI world it measures, on
@@ -47,20 +47,56 @@ def _parser() -> argparse.ArgumentParser:
                    help="comma-separated message sizes in bytes, e.g. 8,1M,64M (default 4 B .. 64 MiB)")
     p.add_argument("--repeats", type=int, default=7, help="timings per figure; the median is reported")
     p.add_argument("--min-time", type=float, default=0.05, help="seconds each timing lasts at least")
-    p.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    p.add_argument("--json", dest="json_path", default=None,
+                   help="also write the results (and, for allreduce, the α-β fit) here")
+    p.add_argument("-H", "--hosts", default=None,
+                   help="run the ranks on these hosts, `phalanx run --hosts` style (H0:N,H1:N)")
+    p.add_argument("--rsh", default=None, help="with --hosts: the ssh-style command (`phalanx run --rsh`)")
+    p.add_argument("--link-rate", default=None,
+                   help="the link's rate, e.g. 1gbit: also print bus bandwidth as a fraction of it")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``phalanx bench`` with ``argv``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["predict"]:
+        from ._predict import main as predict_main
+
+        return predict_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.worker:
         return _worker(args)
+    if args.link_rate is not None:
+        from .._errors import InvalidArgumentError
+
+        try:
+            _link_rate(args.link_rate)  # a bad rate fails here, not in every rank
+        except InvalidArgumentError as exc:
+            sys.stderr.write(f"{exc}\n")
+            return 2
     cmd = [sys.executable, "-m", "phalanx", "run", "-n", str(args.nprocs)]
     if args.backend:
         cmd += ["--backend", args.backend]
-    cmd += ["-m", "phalanx.cli._bench", "--worker", *(argv if argv is not None else sys.argv[1:])]
+    if args.hosts:
+        cmd += ["--hosts", args.hosts] + (["--rsh", args.rsh] if args.rsh else [])
+    cmd += ["-m", "phalanx.cli._bench", "--worker", *argv]
     return subprocess.call(cmd)
+
+
+def _link_rate(text: str) -> float:
+    """``--link-rate`` in bytes per second: ``1gbit``, ``100mbit``, ``10mbps`` (bytes), or bits per second."""
+    import re
+
+    from .._errors import InvalidArgumentError
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise InvalidArgumentError(f"phalanx bench: --link-rate {text!r} is not a rate; pass e.g. 1gbit, "
+                                   f"100mbit or 10mbps (bytes per second).")
+    value = float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m[2].lower()]
+    return value if (m[3] or "").lower() == "bps" else value / 8
 
 
 # -- inside the world ------------------------------------------------------------------------
@@ -78,18 +114,26 @@ def _as_global(world: Any):
 
 
 def _gloo_beside_mpi(mpi_comm: Any) -> Any:
-    """Start a Gloo process group in an MPI world (port chosen by rank 0, sent over MPI)."""
+    """Start a Gloo process group in an MPI world (rank 0 chooses address, port and secret, sent over MPI)."""
+    import secrets
     import socket
 
-    port = 0
+    names = mpi_comm.allgather(socket.gethostname())
+    one_host = len(set(names)) == 1
+    port, addr, secret = 0, "127.0.0.1", ""
     if mpi_comm.rank == 0:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind(("127.0.0.1" if one_host else "", 0))
             port = s.getsockname()[1]
-    port = mpi_comm.bcast(port, root=0)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(mpi_comm.rank),
-                      WORLD_SIZE=str(mpi_comm.size), LOCAL_RANK=str(mpi_comm.rank),
-                      LOCAL_WORLD_SIZE=str(mpi_comm.size))
+        if not one_host:  # the address other hosts know this one by (its name in /etc/hosts or DNS)
+            addr, secret = socket.gethostbyname(names[0]), os.environ.get("PHALANX_SECRET") or secrets.token_hex(32)
+    port, addr, secret = mpi_comm.bcast((port, addr, secret), root=0)
+    here = names[mpi_comm.rank]
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(mpi_comm.rank),
+                      WORLD_SIZE=str(mpi_comm.size), LOCAL_RANK=str(names[:mpi_comm.rank].count(here)),
+                      LOCAL_WORLD_SIZE=str(names.count(here)))
+    if secret:
+        os.environ["PHALANX_SECRET"] = secret
     from .._world import World
     from ..comm._torch import TorchBackend
 
@@ -176,16 +220,41 @@ def _worker(args: argparse.Namespace) -> int:
                "seconds": {k: statistics.median(v) for k, v in samples.items()}, "samples": samples}
         results.append(row)
         if rank == 0:
-            _print_row(row, coll, size, impls, first=nbytes == sizes[0])
+            _print_row(row, coll, size, impls, first=nbytes == sizes[0],
+                       limit=_link_rate(args.link_rate) if args.link_rate else None)
+    hosts = sorted(set(phalanx.allgather_object(os.uname().nodename)))
     if rank == 0:
         summary = {"collective": coll, "ranks": size, "backend": main_world.backend.name,
                    "repeats": args.repeats, "check": main_world.check, "results": results,
-                   "host": os.uname().nodename, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                   "host": os.uname().nodename, "hosts": hosts, "link_rate": args.link_rate,
+                   "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if coll == "allreduce" and size > 1 and len(sizes) > 1:
+            summary["fit"] = _fit(results, size, "inter" if len(hosts) > 1 else "intra", [n for n, _, _ in impls])
+            _print_fit(summary["fit"], args.link_rate)
         if args.json_path:
             with open(args.json_path, "w") as f:
                 json.dump(summary, f, indent=1)
             print(f"\nresults written to {args.json_path}")
     return 0
+
+
+def _fit(results: list[dict[str, Any]], size: int, link_class: str, names: list[str]) -> dict[str, Any]:
+    """The α-β fit of each implementation's allreduce timings (``phalanx._scaling.fit_allreduce``)."""
+    from .._scaling import fit_allreduce
+
+    sizes = [row["bytes"] for row in results]
+    links = {name: fit_allreduce(sizes, [row["seconds"][name] for row in results], size) for name in names}
+    return {"class": link_class, "ranks": size, "use": names[0], "links": links,
+            "model": "t(S) = 2(n-1)alpha + 2(n-1)/n S beta, least squares of the relative error"}
+
+
+def _print_fit(fit: dict[str, Any], link_rate: str | None) -> None:
+    limit = _link_rate(link_rate) if link_rate else None
+    print(f"\nα-β fit ({fit['class']} link class, {fit['ranks']} ranks): {fit['model']}")
+    for name, link in fit["links"].items():
+        versus = f"  = {link['gbytes_per_s'] * 1e9 / limit:.2f} of the {link_rate} link" if limit else ""
+        print(f"  {name:>24}: alpha {link['alpha'] * 1e6:9.2f} us  1/beta {link['gbytes_per_s']:8.4f} GB/s  "
+              f"(rms error {link['rms_rel_error']:.1%}){versus}")
 
 
 def _calibrate(call: Callable[[], Any], min_time: float, slowest: Callable[[float], float]) -> int:
@@ -243,12 +312,13 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _print_row(row: dict[str, Any], coll: str, size: int, impls: list[Any], first: bool) -> None:
+def _print_row(row: dict[str, Any], coll: str, size: int, impls: list[Any], first: bool,
+               limit: float | None = None) -> None:
     names = [name for name, _, _ in impls]
     factor = 2 * (size - 1) / size if coll == "allreduce" and size > 1 else 1.0
     if first:
         head = f"{'size':>9} " + " ".join(f"{n + ' us':>26}" for n in names)
-        head += "   ratios (phalanx/raw)  busbw GB/s (" + names[0] + ")"
+        head += "   ratios (phalanx/raw)  busbw GB/s (" + names[0] + ")" + ("  of link" if limit else "")
         print(f"phalanx bench {coll}: {size} ranks, median of timings, time of the slowest rank")
         print(head)
     secs = row["seconds"]
@@ -257,7 +327,8 @@ def _print_row(row: dict[str, Any], coll: str, size: int, impls: list[Any], firs
     for i in range(0, len(names) - 1, 2):
         ratios.append(f"{secs[names[i]] / secs[names[i + 1]]:.3f}")
     busbw = row["bytes"] / secs[names[0]] * factor / 1e9
-    print(f"{_fmt_bytes(row['bytes']):>9} {cells}   {' '.join(ratios):>21}  {busbw:10.3f}", flush=True)
+    of_link = f"  {busbw * 1e9 / limit:8.2f}" if limit else ""
+    print(f"{_fmt_bytes(row['bytes']):>9} {cells}   {' '.join(ratios):>21}  {busbw:10.3f}{of_link}", flush=True)
 
 
 if __name__ == "__main__":
