@@ -18,19 +18,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BY_KEY", "DDP", "DEFAULT", "MODELS", "VARIANTS", "WORLDS", "Variant", "build_model", "make_step",
-           "settle_allocator", "worker"]
+__all__ = ["BY_KEY", "DDP", "DEFAULT", "MODELS", "MORE_VARIANTS", "VARIANTS", "WORLDS", "Variant", "build_model",
+           "make_step", "settle_allocator", "worker"]
 
 WORLDS = ("single", "mpi", "gloo")
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One way of training: ``world`` says which world runs it, ``label`` how the table names it."""
+    """One way of training: ``world`` says which world runs it, ``label`` how the table names it.
+
+    ``solo``: the variant may end its process (torch's PowerSGD hook aborts on gloo), so a
+    driver runs it in a world of its own, where that end is recorded as its result.
+    """
 
     key: str
     world: str
     label: str
+    solo: bool = False
 
 
 VARIANTS = [
@@ -48,24 +53,41 @@ VARIANTS = [
     Variant("gloo/DDP", "gloo", "torch DDP, gloo"),
     Variant("gloo/DDP+bf16", "gloo", "torch DDP, gloo, bf16 compress hook"),
 ]
-BY_KEY = {v.key: v for v in VARIANTS}
+# beside train_step.py's set: benchmarks/multihost.py measures these too (fp16, PowerSGD, the Horovod API)
+MORE_VARIANTS = [
+    Variant("mpi/DistributedOptimizer+fp16", "mpi", "phalanx DistributedOptimizer, mpi, fp16"),
+    Variant("mpi/DistributedOptimizer+powersgd", "mpi", "phalanx DistributedOptimizer, mpi, PowerSGD"),
+    Variant("mpi/hvd", "mpi", "Horovod API (phalanx.horovod.torch), mpi"),
+    Variant("gloo/DistributedOptimizer+fp16", "gloo", "phalanx DistributedOptimizer, gloo, fp16"),
+    Variant("gloo/DistributedOptimizer+powersgd", "gloo", "phalanx DistributedOptimizer, gloo, PowerSGD"),
+    Variant("gloo/hvd", "gloo", "Horovod API (phalanx.horovod.torch), gloo"),
+    Variant("gloo/DDP+fp16", "gloo", "torch DDP, gloo, fp16_compress_hook"),
+    Variant("gloo/DDP+powersgd", "gloo", "torch DDP, gloo, powerSGD_hook", solo=True),
+]
+BY_KEY = {v.key: v for v in VARIANTS + MORE_VARIANTS}
 DDP = "gloo/DDP"
 DEFAULT = "mpi/DistributedOptimizer"  # phalanx's default: DistributedOptimizer, default backend, no compression
-MODELS = {"mlp": "MLP 512→1024→4×1024→10", "cnn": "CNN 3×(conv3×3, ReLU, maxpool)→128→10"}
+MODELS = {"mlp": "MLP 512→1024→4×1024→10", "cnn": "CNN 3×(conv3×3, ReLU, maxpool)→128→10",
+          "resnet_tiny": "resnet_tiny (BasicBlocks [1, 1, 1, 1]) on 3×32×32"}
+POWERSGD_RANK = 4  # torch's powerSGD_hook matrix_approximation_rank, set to phalanx's rank where it has one
 
 
 # -- models ---------------------------------------------------------------------------------------
 
 def build_model(name: str, width: int) -> Any:
-    """The benchmark model ``name`` ("mlp" or "cnn"), same weights on every call.
+    """The benchmark model ``name`` ("mlp", "cnn" or "resnet_tiny"), same weights on every call.
 
     ``width`` scales it: the MLP's hidden size (1024 in the benchmark), the
-    CNN's first channel count (16; then 2× and 4×).
+    CNN's and resnet_tiny's first channel count (16; then 2×, 4× (and 8×)).
     """
     import torch
 
     torch.manual_seed(0)
     nn = torch.nn
+    if name == "resnet_tiny":
+        from phalanx.train.models import resnet_tiny
+
+        return resnet_tiny(num_classes=10, width=width)
     if name == "mlp":
         layers: list[Any] = [nn.Linear(512, width), nn.ReLU()]
         for _ in range(4):
@@ -91,25 +113,31 @@ def batch(name: str, size: int, seed: int) -> tuple[Any, Any]:
 # -- inside a world ----------------------------------------------------------------------------------
 
 def make_step(key: str, model_name: str, width: int, x: Any, y: Any) -> tuple[Callable[[], None], Any]:
-    """(one training step of variant ``key`` as a user would write it, the model it trains)."""
+    """(one training step of variant ``key`` as a user would write it, the model it trains).
+
+    Raises ``NotAvailable`` when this phalanx has no such compression (built before any communication,
+    so every rank raises it alike).
+    """
     import torch
 
     import phalanx.torch as pt
 
     loss_fn = torch.nn.functional.cross_entropy
     model = build_model(model_name, width)
-    kind = key.split("/")[-1]
-    compression = "bf16" if kind.endswith("+bf16") else None
-    if kind.startswith("DistributedOptimizer"):
-        opt = pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), compression=compression)
-    elif kind.startswith("DataParallel"):
-        model = pt.DataParallel(model, compression=compression)
+    kind, _, compression = key.split("/")[-1].partition("+")
+    opt: Any
+    if kind == "DistributedOptimizer":
+        opt = _phalanx_optimizer(pt, torch.optim.SGD(model.parameters(), lr=1e-3), compression or None)
+    elif kind == "DataParallel":
+        model = pt.DataParallel(model, compression=compression or None)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    elif kind.startswith("DDP"):
+    elif kind == "DDP":
         model = torch.nn.parallel.DistributedDataParallel(model)
         if compression:
-            model.register_comm_hook(None, _ddp_bf16_hook)
+            model.register_comm_hook(*_ddp_hook(compression))
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    elif kind == "hvd":
+        opt = _horovod_optimizer(model)
     elif kind == "hand":
         return _hand_loop(model, x, y), model
     else:  # "single", "none": the plain step, no communication
@@ -121,6 +149,51 @@ def make_step(key: str, model_name: str, width: int, x: Any, y: Any) -> tuple[Ca
         opt.step()
 
     return step, model
+
+
+class NotAvailable(Exception):
+    """A variant this installation cannot build (a compression phalanx does not have yet)."""
+
+
+def _phalanx_optimizer(pt: Any, sgd: Any, compression: str | None) -> Any:
+    from phalanx import InvalidArgumentError
+
+    try:
+        return pt.DistributedOptimizer(sgd, compression=compression)
+    except InvalidArgumentError as e:
+        if compression and "compression" in str(e):
+            raise NotAvailable(str(e)) from e
+        raise
+
+
+def _horovod_optimizer(model: Any) -> Any:
+    """Horovod's recipe (as benchmarks/horovod_step.py): broadcast the state, wrap with named_parameters."""
+    import torch
+
+    import phalanx.horovod.torch as hvd
+
+    hvd.init()
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(sgd, root_rank=0)
+    return hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+
+
+def _ddp_hook(compression: str) -> tuple[Any, Any]:
+    """(state, hook) of DDP's compression ``compression``: bf16 (its body), fp16, powersgd (torch's hooks)."""
+    if compression == "bf16":
+        return None, _ddp_bf16_hook
+    if compression == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        return None, default_hooks.fp16_compress_hook
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    # start_powerSGD_iter=2 (the least torch allows with error feedback): compressed from the 2nd step,
+    # so the warm-up steps cover the switch and every timed step is compressed
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+                                        start_powerSGD_iter=2)
+    return state, powerSGD_hook.powerSGD_hook
 
 
 def _ddp_bf16_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations
@@ -206,7 +279,6 @@ def settle_allocator() -> None:
 
 def worker(args: argparse.Namespace) -> int:
     """Run inside one world: time every variant of this world on every model; rank 0 writes ``--out``."""
-    import numpy as np
     import torch
 
     import phalanx
@@ -225,31 +297,9 @@ def worker(args: argparse.Namespace) -> int:
     shift = args.round % len(items) if items else 0
     items = items[shift:] + items[:shift]
     results: dict[str, Any] = {}
+    iface = getattr(args, "count_iface", None)  # multihost.py: the host's link, whose sent bytes are counted
     for model_name, key in items:
-        x, y = batch(model_name, args.batch, seed=rank)
-        built = time.perf_counter()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            step, model = make_step(key, model_name, _width(args, model_name), x, y)
-            for _ in range(args.warmup):
-                step()
-        built = time.perf_counter() - built
-        phalanx.barrier()
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        mine = (time.perf_counter() - start) / args.steps
-        faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
-        per_rank = phalanx.allgather(np.array(mine))
-        with torch.no_grad():  # did the replicas stay identical (they do whenever gradients are reduced)?
-            checksum = float(sum(p.double().sum() for p in model.parameters()))
-        agree = len({float(v) for v in phalanx.allgather(np.array(checksum))}) == 1
-        notes = sorted({f"{w.category.__name__}: {str(w.message)[:300]}" for w in caught})
-        results[f"{model_name}:{key}"] = {"rank_s": [float(v) for v in per_rank], "notes": notes,
-                                          "setup_s": round(built, 3), "replicas_agree": agree,
-                                          "page_faults_per_step": round(faults, 1)}
-        del step, model
+        results[f"{model_name}:{key}"] = _time_variant(args, model_name, key, rank, iface)
         gc.collect()
     if rank == 0:
         with open(args.out, "w") as f:
@@ -257,6 +307,58 @@ def worker(args: argparse.Namespace) -> int:
                        "results": results, "versions": _versions(backend)}, f)
     phalanx.shutdown()
     return 0
+
+
+def _time_variant(args: argparse.Namespace, model_name: str, key: str, rank: int,
+                  iface: str | None) -> dict[str, Any]:
+    """Build variant ``key`` on ``model_name``, warm it up, time ``args.steps`` steps: its result entry."""
+    import numpy as np
+    import torch
+
+    import phalanx
+
+    x, y = batch(model_name, args.batch, seed=rank)
+    built = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            step, model = make_step(key, model_name, _width(args, model_name), x, y)
+        except NotAvailable as e:
+            return {"status": "not available", "reason": str(e)[:300]}
+        for _ in range(args.warmup):
+            step()
+    built = time.perf_counter() - built
+    phalanx.barrier()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    sent = _sent_bytes(iface)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    mine = (time.perf_counter() - start) / args.steps
+    sent = (_sent_bytes(iface) - sent) / args.steps if iface else float("nan")
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
+    per_rank = phalanx.allgather(np.array([mine, sent]))
+    with torch.no_grad():  # did the replicas stay identical (they do whenever gradients are reduced)?
+        checksum = float(sum(p.double().sum() for p in model.parameters()))
+    agree = len({float(v) for v in phalanx.allgather(np.array(checksum))}) == 1
+    notes = sorted({f"{w.category.__name__}: {str(w.message)[:300]}" for w in caught})
+    entry = {"status": "ok", "rank_s": [float(v[0]) for v in per_rank], "notes": notes,
+             "setup_s": round(built, 3), "replicas_agree": agree, "page_faults_per_step": round(faults, 1)}
+    if iface:
+        entry["sent_bytes_per_step"] = [round(float(v[1])) for v in per_rank]
+    return entry
+
+
+def _sent_bytes(iface: str | None) -> int:
+    """Bytes sent so far on ``iface`` of this process's network namespace (0 without an interface)."""
+    if not iface:
+        return 0
+    with open("/proc/self/net/dev") as f:
+        for line in f:
+            name, _, fields = line.partition(":")
+            if name.strip() == iface:
+                return int(fields.split()[8])  # receive: 8 fields; then transmit bytes
+    raise SystemExit(f"train_step_worker: no interface {iface!r} in /proc/self/net/dev")
 
 
 def _width(args: argparse.Namespace, model_name: str) -> int:
