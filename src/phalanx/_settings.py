@@ -11,6 +11,7 @@ variable                   field                    meaning
 ``PHALANX_DEBUG``          ``debug``                ``1`` also fingerprints the call site
 ``PHALANX_GPU_AWARE_MPI``  ``gpu_aware_mpi``        ``0``/``1`` overrides detection
 ``PHALANX_ALLOW_PICKLE``   ``allow_pickle``         ``1`` enables object collectives
+``PHALANX_HIERARCHICAL``   ``hierarchical``         ``0``/``1`` gloo's hierarchical allreduce
 =========================  =======================  ======================================
 
 A value that is not a valid number or flag raises :class:`InvalidSettingError`
@@ -42,6 +43,8 @@ def env_flag(name: str, default: bool | None) -> bool | None:
         return True
     if word in _FALSE:
         return False
+    if word == "auto" and default is None:  # the flags whose default is detection
+        return None
     raise InvalidSettingError(f"{name}={value!r} is not a flag: set {name}=1 (on) or {name}=0 (off), "
                               "or unset it for the default.")
 
@@ -72,7 +75,9 @@ class Settings:
     ``PHALANX_CHECK``, default on), ``debug`` (also fingerprint the call site,
     ``PHALANX_DEBUG``), ``gpu_aware_mpi`` (pass CUDA memory to MPI directly;
     ``None`` asks the MPI library, ``PHALANX_GPU_AWARE_MPI``), ``allow_pickle``
-    (enable the object collectives, ``PHALANX_ALLOW_PICKLE``). Change a field in
+    (enable the object collectives, ``PHALANX_ALLOW_PICKLE``), ``hierarchical`` (gloo's
+    allreduce within hosts, then across them; ``None`` = on when several hosts have
+    several ranks, ``PHALANX_HIERARCHICAL``). Change a field in
     code before :func:`phalanx.init` to override the environment.
     """
 
@@ -81,6 +86,7 @@ class Settings:
     debug: bool = field(default_factory=lambda: bool(env_flag("PHALANX_DEBUG", False)))
     gpu_aware_mpi: bool | None = field(default_factory=lambda: env_flag("PHALANX_GPU_AWARE_MPI", None))
     allow_pickle: bool = field(default_factory=lambda: bool(env_flag("PHALANX_ALLOW_PICKLE", False)))
+    hierarchical: bool | None = field(default_factory=lambda: env_flag("PHALANX_HIERARCHICAL", None))
 
 
 settings = Settings()

@@ -23,6 +23,7 @@ import numpy as np
 from .._devices import rank_device
 from .._errors import BackendUnavailableError, InvalidArgumentError, UsageError
 from ._base import PeerLost, WaitTimeout
+from ._hier import build_hierarchy
 from ._torchsetup import (
     Rendezvous,
     diagnose,
@@ -120,6 +121,7 @@ class TorchBackend:
             if self._nccl else torch.device("cpu")
         if meeting is not None:
             self._init_group(name, timeout, meeting)
+        self.hierarchy = build_hierarchy(self, meeting.hosts, timeout) if meeting is not None else None
         ops = dist.ReduceOp  # on bool, MIN is logical and and MAX logical or, on gloo and NCCL alike
         self._ops = {"sum": ops.SUM, "prod": ops.PRODUCT, "min": ops.MIN, "max": ops.MAX,
                      "avg": ops.AVG if self._nccl else ops.SUM}
@@ -299,9 +301,16 @@ class TorchBackend:
     @translating
     def allreduce(self, x: Any, op: str, inplace: bool, timeout: float) -> Any:
         t, finish = self._work(x, inplace, op)
-        self._wait(self._dist.all_reduce(t, self._ops[op], async_op=True), timeout)
+        self._wait(self._all_reduce(t, op), timeout)
         self._scale(t, op)
         return finish(t)
+
+    def _all_reduce(self, t: Any, op: str) -> Any:
+        """Post the allreduce of ``t``: hierarchical where the world has a hierarchy (:mod:`._hier`)."""
+        hier = self.hierarchy
+        if hier is not None and hier.serves(self):
+            return hier.all_reduce(t, self._ops[op])
+        return self._dist.all_reduce(t, self._ops[op], async_op=True)
 
     def iallreduce(self, x: Any, op: str, inplace: bool) -> _Request:
         t, finish = self._work(x, inplace, op)
@@ -310,7 +319,7 @@ class TorchBackend:
             self._scale(t, op)
             return finish(t)
 
-        return self._request(lambda: self._dist.all_reduce(t, self._ops[op], async_op=True), complete)
+        return self._request(lambda: self._all_reduce(t, op), complete)
 
     @translating
     def broadcast(self, x: Any, root: int, inplace: bool, timeout: float) -> Any:
