@@ -31,7 +31,7 @@ def test_help_stands_alone_and_names_every_argument(name: str) -> None:
 @pytest.mark.parametrize("wrapper", ["DistributedOptimizer", "DataParallel"])
 def test_string_options_are_literal_types(wrapper: str) -> None:
     hints = typing.get_type_hints(getattr(pt, wrapper).__init__)
-    for option, values in (("op", {"avg", "sum"}), ("compression", {"bf16", "fp16", None}),
+    for option, values in (("op", {"avg", "sum"}), ("compression", {"bf16", "fp16", "powersgd", pt.PowerSGD, None}),
                            ("nonfinite", {"raise", "skip", None})):
         args = set()
         for arg in typing.get_args(hints[option]) or (hints[option],):

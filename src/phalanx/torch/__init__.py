@@ -13,6 +13,7 @@ from __future__ import annotations
 # gradient reduction (DistributedOptimizer, DataParallel)
 from ._optimizer import DistributedOptimizer
 from ._parallel import DataParallel
+from ._powersgd import PowerSGD
 
 # in-process replicas (replicate, Replicas, withdevices)
 from ._replicas import Replicas, replicate, withdevices
@@ -30,6 +31,7 @@ __all__ = [
     # gradient reduction and SyncBatchNorm
     "DataParallel",
     "DistributedOptimizer",
+    "PowerSGD",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
     # in-process replicas

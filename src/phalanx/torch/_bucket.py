@@ -32,6 +32,7 @@ from .._errors import InvalidArgumentError, UsageError
 from .._groups import world_for
 from ._common import Compression, GradientOp, backend_call, verify_same_structure
 from ._finite import NonFinitePolicy, any_set, check_and_scale, nonfinite_error, ranks_with
+from ._powersgd import DEFERRED, attach_powersgd, is_powersgd
 
 __all__ = ["GradientBuckets", "check_options"]
 
@@ -49,9 +50,9 @@ def check_options(call: str, op: Any, bucket_cap_mb: Any, compression: Any) -> N
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         raise InvalidArgumentError(f"phalanx.{call}(bucket_cap_mb={bucket_cap_mb!r}): give the bucket size "
                                    "in MB as a positive number (default 25).")
-    if compression is not None and compression not in _COMPRESSION:
-        raise InvalidArgumentError(f"phalanx.{call}(compression={compression!r}): use None (full "
-                                   "precision), 'bf16' or 'fp16'.")
+    if compression is not None and not is_powersgd(compression) and compression not in _COMPRESSION:
+        raise InvalidArgumentError(f"phalanx.{call}(compression={compression!r}): use None (full precision), "
+                                   "'bf16', 'fp16', 'powersgd' or phalanx.torch.PowerSGD(rank=...).")
 
 
 class _Bucket:
@@ -121,6 +122,7 @@ class GradientBuckets:
         self.step_label = 0  # the step the next reduction belongs to
         self.steps_by_reduction = True  # each reduction advances step_label (DistributedOptimizer: step())
         self._claim()
+        self._powersgd = attach_powersgd(compression, self)  # None unless PowerSGD: it reduces in _finish
         ref = weakref.ref(self)
         handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref, i))
                    for i, p in enumerate(self._params)]
@@ -270,6 +272,9 @@ class GradientBuckets:
                 bad.add_(bucket.found)
         elif self._scale != 1.0:
             bucket.flat.mul_(self._scale)
+        if self._powersgd is not None:  # prepared; reduced with every other bucket in _finish
+            bucket.request, self._launched, self._open = DEFERRED, b + 1, True
+            return
         send = bucket.flat if bucket.wire is None else bucket.wire.copy_(bucket.flat)
         world = self._world
         bucket.request = backend_call(world, self.call, world.backend.iallreduce, send, "sum", True)
@@ -312,6 +317,8 @@ class GradientBuckets:
         try:
             while self._launched < len(self._buckets):
                 self._launch(self._launched)
+            if self._powersgd is not None:
+                self._powersgd.reduce(self)
             for bucket in self._buckets:
                 if bucket.request is not None:
                     self._complete(bucket)

@@ -23,13 +23,15 @@ from .._collectives import allreduce
 from .._errors import CollectiveMismatchError
 from .._groups import world_for
 from .._world import World
+from ._powersgd import PowerSGD
 
 __all__ = ["Compression", "GradientOp", "backend_call", "verify_same_structure"]
 
 GradientOp = Literal["avg", "sum"]
 """How gradients are combined across ranks (and replicas): their mean, or their sum."""
-Compression = Literal["bf16", "fp16"]
-"""The 16-bit format gradients travel in (``None`` where a signature allows it: full precision)."""
+Compression = Literal["bf16", "fp16", "powersgd"] | PowerSGD
+"""How gradients travel: 16-bit (``"bf16"``/``"fp16"``), low-rank (``"powersgd"`` or a :class:`PowerSGD`),
+or in full precision (``None`` where a signature allows it)."""
 
 _MASK = (1 << 62) - 1
 
