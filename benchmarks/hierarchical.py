@@ -1,0 +1,125 @@
+"""Hierarchical vs flat gloo allreduce (and MPI's own) on 2 simulated hosts × 2 ranks over a shaped link.
+
+::
+
+    flock /tmp/phalanx-tests.lock python benchmarks/hierarchical.py --rate 1gbit --rounds 5 \\
+        --json benchmarks/results/hierarchical-2x2-1gbit.json
+
+Every round starts, in an order rotating from round to round, one world per variant
+from host 0 (``phalanx run --hosts h0:R,h1:R --rsh RSH``): ``gloo/hier``
+(``PHALANX_HIERARCHICAL=1``), ``gloo/flat`` (``PHALANX_HIERARCHICAL=0``) and ``mpi``
+(MPICH's own ``MPI_Allreduce``). Each world times, per size, ``--warmup`` then
+``--iters`` float32 ``phalanx.allreduce`` calls (a barrier before each); a figure is the
+median over rounds of the slowest rank's median call. Bytes: what each host sent on its
+link (``eth0`` transmit counter, headers included) per call, the busiest host's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+WORKER = textwrap.dedent("""
+    import json, os, sys, time
+    import numpy as np
+    import phalanx
+
+    phalanx.init()
+    sizes, warmup, iters = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    hier = getattr(phalanx.backend(), "hierarchy", None)
+    local0 = int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+    def tx():
+        with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+            return int(f.read())
+
+    out = {"rank": phalanx.rank(), "hier": hier is not None, "sizes": {}}
+    for size in sizes:
+        x = np.ones(size // 4, np.float32)
+        for _ in range(warmup):
+            phalanx.allreduce(x)
+        times = []
+        phalanx.barrier()
+        sent = tx()
+        for _ in range(iters):
+            phalanx.barrier()
+            start = time.perf_counter()
+            phalanx.allreduce(x)
+            times.append(time.perf_counter() - start)
+        phalanx.barrier()
+        sent = tx() - sent
+        out["sizes"][str(size)] = {"median_ms": 1e3 * float(np.median(times)),
+                                   "tx_per_call": sent / iters if local0 else None}
+    sys.stdout.write("RESULT " + json.dumps(out) + "\\n")
+    sys.stdout.flush()
+""")
+
+VARIANTS = {"gloo/hier": ("gloo", "1"), "gloo/flat": ("gloo", "0"), "mpi": ("mpi", "")}
+
+
+def run_world(hosts, variant: str, spec: str, worker: Path, args: argparse.Namespace) -> dict:
+    """One world of ``variant``; {size: {"ms": slowest rank's median, "tx": busiest host's bytes/call}}."""
+    import os
+
+    backend, hier = VARIANTS[variant]
+    env = dict(os.environ, PHALANX_HIERARCHICAL=hier) if hier else dict(os.environ)
+    argv = [sys.executable, "-m", "phalanx", "run", "--hosts", spec, "--rsh", hosts.rsh, "--backend", backend,
+            "--timeout", "60", str(worker), json.dumps(args.sizes), str(args.warmup), str(args.iters)]
+    done = hosts.run(0, argv, capture_output=True, text=True, timeout=300, env=env)
+    rows = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or len(rows) != args.hosts * args.ranks_per_host:
+        raise RuntimeError(f"{variant}: rc {done.returncode}\n{done.stdout}\n{done.stderr[-2000:]}")
+    assert all(r["hier"] == (hier == "1") for r in rows), rows  # the path asked for is the path that ran
+    return {str(s): {"ms": max(r["sizes"][str(s)]["median_ms"] for r in rows),
+                     "tx": max(r["sizes"][str(s)]["tx_per_call"] or 0 for r in rows)} for s in args.sizes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--ranks-per-host", type=int, default=2)
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4 << 20, 16 << 20], help="bytes")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    from phalanx.testing import simulated_hosts
+
+    spec = ",".join(f"h{i}:{args.ranks_per_host}" for i in range(args.hosts))
+    raw: dict[str, list[dict]] = {v: [] for v in args.variants}
+    with tempfile.TemporaryDirectory() as tmp, simulated_hosts(args.hosts, rate=args.rate) as hosts:
+        worker = Path(tmp) / "worker.py"
+        worker.write_text(WORKER)
+        for r in range(args.rounds):
+            order = args.variants[r % len(args.variants):] + args.variants[:r % len(args.variants)]
+            for variant in order:
+                raw[variant].append(run_world(hosts, variant, spec, worker, args))
+                print(f"round {r} {variant}: {raw[variant][-1]}", file=sys.stderr, flush=True)
+    summary = {v: {str(s): {"ms": statistics.median(w[str(s)]["ms"] for w in worlds),
+                            "ms_all": [round(w[str(s)]["ms"], 2) for w in worlds],
+                            "tx_mb": statistics.median(w[str(s)]["tx"] for w in worlds) / 1e6}
+                   for s in args.sizes} for v, worlds in raw.items()}
+    print(f"{args.hosts} hosts x {args.ranks_per_host} ranks, {args.rate}, medians of {args.rounds} rounds")
+    print("| size | variant | allreduce ms | sent per host per call (MB) | vs gloo/flat |")
+    print("|---|---|---|---|---|")
+    for s in args.sizes:
+        flat = summary.get("gloo/flat", {}).get(str(s), {}).get("ms")
+        for v in args.variants:
+            row = summary[v][str(s)]
+            ratio = f"{flat / row['ms']:.2f}x" if flat else ""
+            print(f"| {s >> 20} MB | {v} | {row['ms']:.1f} | {row['tx_mb']:.2f} | {ratio} |")
+    if args.json:
+        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "summary": summary,
+                                         "rounds": raw}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
