@@ -109,11 +109,13 @@ def _environment() -> dict[str, str]:
 
 def _reason(output: str, status: int) -> str:
     """The likeliest cause of a world's end, from its launcher's output: the last line naming an error."""
-    lines = [line.strip() for line in output.splitlines() if _REASON.search(line)]
+    every = [line.strip() for line in output.splitlines()]
+    lines = [line for line in every if _REASON.search(line)]
     detail = lines[-1] if lines else f"exit status {status}, no output naming an error"
-    for line in lines:  # a C++ abort (gloo's own check) says more than the launcher's summary
-        if "terminate called" in line or "Gloo" in line or "enforce fail" in line.lower():
-            detail = line
+    for i, line in enumerate(every):  # a C++ abort (gloo's own check) says more than the launcher's summary
+        if "terminate called" in line:
+            what = next((w for w in every[i + 1:i + 4] if "what()" in w), "")
+            detail = f"{line} {what}".strip()
             break
     return f"exit {status}: {detail[:400]}"
 

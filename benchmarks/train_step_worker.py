@@ -69,7 +69,10 @@ DDP = "gloo/DDP"
 DEFAULT = "mpi/DistributedOptimizer"  # phalanx's default: DistributedOptimizer, default backend, no compression
 MODELS = {"mlp": "MLP 512→1024→4×1024→10", "cnn": "CNN 3×(conv3×3, ReLU, maxpool)→128→10",
           "resnet_tiny": "resnet_tiny (BasicBlocks [1, 1, 1, 1]) on 3×32×32"}
-POWERSGD_RANK = 4  # torch's powerSGD_hook matrix_approximation_rank, set to phalanx's rank where it has one
+POWERSGD_RANK = 4  # columns of PowerSGD's factors, phalanx's and torch DDP's hook alike (phalanx's default)
+# reductions sent plain before PowerSGD compresses, both alike (torch's start_powerSGD_iter; the least it
+# allows with error feedback): fewer than --warmup, so every timed step is compressed
+POWERSGD_PLAIN_STEPS = 2
 
 
 # -- models ---------------------------------------------------------------------------------------
@@ -158,6 +161,10 @@ class NotAvailable(Exception):
 def _phalanx_optimizer(pt: Any, sgd: Any, compression: str | None) -> Any:
     from phalanx import InvalidArgumentError
 
+    if compression == "powersgd":
+        if not hasattr(pt, "PowerSGD"):
+            raise NotAvailable("this phalanx has no phalanx.torch.PowerSGD")
+        compression = pt.PowerSGD(rank=POWERSGD_RANK, warmup_steps=POWERSGD_PLAIN_STEPS)
     try:
         return pt.DistributedOptimizer(sgd, compression=compression)
     except InvalidArgumentError as e:
@@ -189,10 +196,8 @@ def _ddp_hook(compression: str) -> tuple[Any, Any]:
         return None, default_hooks.fp16_compress_hook
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-    # start_powerSGD_iter=2 (the least torch allows with error feedback): compressed from the 2nd step,
-    # so the warm-up steps cover the switch and every timed step is compressed
     state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
-                                        start_powerSGD_iter=2)
+                                        start_powerSGD_iter=POWERSGD_PLAIN_STEPS)
     return state, powerSGD_hook.powerSGD_hook
 
 
