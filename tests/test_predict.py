@@ -193,9 +193,15 @@ def test_cli_bad_input_names_the_flag_and_exits_2(args: tuple[str, ...], flag: s
     assert p.returncode == 2 and flag in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
+def test_bench_allreduce_refuses_a_bad_link_rate_before_starting_ranks() -> None:
+    p = subprocess.run([sys.executable, "-m", "phalanx", "bench", "allreduce", "--link-rate", "fast"],
+                       capture_output=True, text=True, timeout=CLI_TIMEOUT)
+    assert p.returncode == 2 and "--link-rate 'fast'" in p.stderr and "1gbit" in p.stderr, p.stderr
+
+
 def test_import_phalanx_and_the_model_stay_light() -> None:
     code = ("import sys, phalanx, phalanx._scaling, phalanx.cli._predict; "
-            "print(sorted(m for m in ('torch', 'numpy', 'mpi4py', 'matplotlib') if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'mpi4py', 'jax', 'matplotlib') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CLI_TIMEOUT)
     assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr)
 
