@@ -31,6 +31,9 @@ WORKER = textwrap.dedent("""
 
     phalanx.init()
     sizes, warmup, iters = json.loads(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    if sys.argv[4]:  # the hierarchy's chunk size, for the variants that set it
+        import phalanx.comm._hier as h
+        h.CHUNK_BYTES = int(sys.argv[4])
     hier = getattr(phalanx.backend(), "hierarchy", None)
     local0 = int(os.environ.get("LOCAL_RANK", "0")) == 0
 
@@ -60,16 +63,19 @@ WORKER = textwrap.dedent("""
 """)
 
 VARIANTS = {"gloo/hier": ("gloo", "1"), "gloo/flat": ("gloo", "0"), "mpi": ("mpi", "")}
+# gloo/hier@BYTES: the hierarchy with chunks of BYTES (0: one piece), e.g. gloo/hier@0, gloo/hier@4194304
 
 
 def run_world(hosts, variant: str, spec: str, worker: Path, args: argparse.Namespace) -> dict:
     """One world of ``variant``; {size: {"ms": slowest rank's median, "tx": busiest host's bytes/call}}."""
     import os
 
-    backend, hier = VARIANTS[variant]
+    backend, hier = VARIANTS[variant.split("@")[0]]
+    chunk = variant.split("@")[1] if "@" in variant else ""
     env = dict(os.environ, PHALANX_HIERARCHICAL=hier) if hier else dict(os.environ)
     argv = [sys.executable, "-m", "phalanx", "run", "--hosts", spec, "--rsh", hosts.rsh, "--backend", backend,
-            "--timeout", "60", str(worker), json.dumps(args.sizes), str(args.warmup), str(args.iters)]
+            "--timeout", "60", str(worker), json.dumps(args.sizes), str(args.warmup), str(args.iters),
+            str(1 << 62) if chunk == "0" else chunk]
     done = hosts.run(0, argv, capture_output=True, text=True, timeout=300, env=env)
     rows = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or len(rows) != args.hosts * args.ranks_per_host:

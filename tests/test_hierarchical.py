@@ -4,7 +4,7 @@ Real ranks in real namespaces (skipped without them, ``requires_hosts``); one jo
 
 * 2 hosts x 2 ranks: the hierarchy is made (leaders 0 and 2) and used (its count of calls
   grows), and every op (sum/avg/min/max/prod) on every dtype gives the flat answer, blocking
-  and non-blocking, in place or not, with handles waited in reverse order, and the gradient
+  and non-blocking, in place or not, with handles (in chunks) waited in reverse order, and the gradient
   bucket engine (``DistributedOptimizer``, several buckets in flight) averages gradients;
 * one rank per host, one host, and ``PHALANX_HIERARCHICAL=0``: no hierarchy (flat), still right;
 * a rank SIGKILLed mid-loop: every other rank ends with a phalanx error or is stopped by the
@@ -54,14 +54,16 @@ CHECKS = textwrap.dedent("""
                 continue
             x = torch.full((1001,), r + 1).to(dt)
             y = phalanx.allreduce(x.clone(), op)                     # in place
-            z = phalanx.allreduce(x.numpy() if dt != torch.bfloat16 else x, op, inplace=False)
+            ro = x.numpy().copy() if dt != torch.bfloat16 else x.float().numpy()
+            ro.flags.writeable = False                               # not in place: a new array
+            z = phalanx.allreduce(ro, op)
             for got in (y, torch.as_tensor(z)):
                 if not torch.allclose(got.double(), torch.full((1001,), expected).double(), rtol=1e-2):
                     bad.append(f"{op} {dt} {got[:2].tolist()}")
     flags = phalanx.allreduce(torch.tensor([r % 2 == 0, True]), "max")
     if flags.tolist() != [True, True]:
         bad.append(f"bool max {flags}")
-    handles = [phalanx.iallreduce(torch.full((300_000,), float(r + i))) for i in range(6)]
+    handles = [phalanx.iallreduce(torch.full((1_000_000,), float(r + i))) for i in range(6)]  # 4 MB: chunks
     for i in reversed(range(6)):  # waited in the reverse order of the calls
         got = handles[i].wait()
         if not torch.all(got == vals.sum() - n + n * i):

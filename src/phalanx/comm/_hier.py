@@ -48,6 +48,7 @@ from ._torchsetup import translate
 
 __all__ = ["Hierarchy", "build_hierarchy", "host_layout"]
 
+CHUNK_BYTES = 1 << 20  # a larger allreduce is pipelined in chunks of this size (measured: benchmarks/README.md)
 AUTO = True  # PHALANX_HIERARCHICAL unset: on where the topology has a hierarchy (measured: benchmarks/README.md)
 
 
@@ -139,10 +140,21 @@ class Hierarchy:
         """Whether ``backend`` is the world this hierarchy was made for (not a sub-group's copy)."""
         return backend._dist is self._dist
 
-    def all_reduce(self, t: Any, op: Any) -> _HierWork:
-        """Start reducing tensor ``t`` in place with torch ReduceOp ``op``; returns a Work-like request."""
-        work = _HierWork(self, t, op)
+    def all_reduce(self, t: Any, op: Any) -> Any:
+        """Start reducing tensor ``t`` in place with torch ReduceOp ``op``; returns a Work-like request.
+
+        A large contiguous ``t`` goes in chunks of about ``CHUNK_BYTES``, each a request of its own,
+        so that one chunk's reduction within the host overlaps another's across hosts.
+        """
         self.calls += 1
+        step = max(1, CHUNK_BYTES // max(1, t.element_size()))
+        if t.numel() <= step * 3 // 2 or not t.is_contiguous():
+            return self._start(t, op)
+        flat = t.view(-1)
+        return _Chunks([self._start(flat[i:i + step], op) for i in range(0, flat.numel(), step)])
+
+    def _start(self, t: Any, op: Any) -> _HierWork:
+        work = _HierWork(self, t, op)
         with self._lock:
             work.post_next()
             self._queue.append(work)
@@ -229,3 +241,23 @@ class _HierWork:
                     raise
                 self.error = exc
                 raise
+
+
+class _Chunks:
+    """The requests of one allreduce's chunks, as one Work-like request."""
+
+    __slots__ = ("_works",)
+
+    def __init__(self, works: list[_HierWork]) -> None:
+        self._works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until every chunk finished, within ``timeout`` in all."""
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        for work in self._works:
+            left = None if deadline is None else timedelta(seconds=max(0.0, deadline - time.monotonic()))
+            work.wait(left)
+        return True
