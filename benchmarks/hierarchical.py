@@ -12,6 +12,8 @@ from host 0 (``phalanx run --hosts h0:R,h1:R --rsh RSH``): ``gloo/hier``
 ``--iters`` float32 ``phalanx.allreduce`` calls (a barrier before each); a figure is the
 median over rounds of the slowest rank's median call. Bytes: what each host sent on its
 link (``eth0`` transmit counter, headers included) per call, the busiest host's.
+``--mlp-steps K``: also the benchmark MLP's training step (``DistributedOptimizer``, SGD,
+batch 64 per rank), median of K steps, the slowest rank's.
 """
 
 from __future__ import annotations
@@ -58,6 +60,27 @@ WORKER = textwrap.dedent("""
         sent = tx() - sent
         out["sizes"][str(size)] = {"median_ms": 1e3 * float(np.median(times)),
                                    "tx_per_call": sent / iters if local0 else None}
+    steps = int(sys.argv[5])
+    if steps:  # the benchmark MLP (train_step_worker.py's, 4.73M parameters) under DistributedOptimizer
+        import torch
+        import phalanx.torch as pt
+
+        torch.manual_seed(0)
+        nn = torch.nn
+        layers = [nn.Linear(512, 1024), nn.ReLU()] + [m for _ in range(4) for m in (nn.Linear(1024, 1024), nn.ReLU())]
+        model = nn.Sequential(*layers, nn.Linear(1024, 10))
+        opt = pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+        g = torch.Generator().manual_seed(phalanx.rank())
+        x, y = torch.randn(64, 512, generator=g), torch.randint(0, 10, (64,), generator=g)
+        times = []
+        for i in range(warmup + steps):
+            phalanx.barrier()
+            start = time.perf_counter()
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            times.append(time.perf_counter() - start)
+        out["sizes"]["mlp"] = {"median_ms": 1e3 * float(np.median(times[warmup:])), "tx_per_call": None}
     sys.stdout.write("RESULT " + json.dumps(out) + "\\n")
     sys.stdout.flush()
 """)
@@ -75,14 +98,15 @@ def run_world(hosts, variant: str, spec: str, worker: Path, args: argparse.Names
     env = dict(os.environ, PHALANX_HIERARCHICAL=hier) if hier else dict(os.environ)
     argv = [sys.executable, "-m", "phalanx", "run", "--hosts", spec, "--rsh", hosts.rsh, "--backend", backend,
             "--timeout", "60", str(worker), json.dumps(args.sizes), str(args.warmup), str(args.iters),
-            str(1 << 62) if chunk == "0" else chunk]
+            str(1 << 62) if chunk == "0" else chunk, str(args.mlp_steps)]
     done = hosts.run(0, argv, capture_output=True, text=True, timeout=300, env=env)
     rows = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or len(rows) != args.hosts * args.ranks_per_host:
         raise RuntimeError(f"{variant}: rc {done.returncode}\n{done.stdout}\n{done.stderr[-2000:]}")
     assert all(r["hier"] == (hier == "1") for r in rows), rows  # the path asked for is the path that ran
-    return {str(s): {"ms": max(r["sizes"][str(s)]["median_ms"] for r in rows),
-                     "tx": max(r["sizes"][str(s)]["tx_per_call"] or 0 for r in rows)} for s in args.sizes}
+    keys = [str(s) for s in args.sizes] + (["mlp"] if args.mlp_steps else [])
+    return {k: {"ms": max(r["sizes"][k]["median_ms"] for r in rows),
+                "tx": max(r["sizes"][k]["tx_per_call"] or 0 for r in rows)} for k in keys}
 
 
 def main() -> None:
@@ -95,6 +119,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    parser.add_argument("--mlp-steps", type=int, default=0, help="also time this many steps of the benchmark MLP")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     from phalanx.testing import simulated_hosts
@@ -109,19 +134,20 @@ def main() -> None:
             for variant in order:
                 raw[variant].append(run_world(hosts, variant, spec, worker, args))
                 print(f"round {r} {variant}: {raw[variant][-1]}", file=sys.stderr, flush=True)
-    summary = {v: {str(s): {"ms": statistics.median(w[str(s)]["ms"] for w in worlds),
-                            "ms_all": [round(w[str(s)]["ms"], 2) for w in worlds],
-                            "tx_mb": statistics.median(w[str(s)]["tx"] for w in worlds) / 1e6}
-                   for s in args.sizes} for v, worlds in raw.items()}
+    summary = {v: {k: {"ms": statistics.median(w[k]["ms"] for w in worlds),
+                       "ms_all": [round(w[k]["ms"], 2) for w in worlds],
+                       "tx_mb": statistics.median(w[k]["tx"] for w in worlds) / 1e6}
+                   for k in worlds[0]} for v, worlds in raw.items()}
     print(f"{args.hosts} hosts x {args.ranks_per_host} ranks, {args.rate}, medians of {args.rounds} rounds")
-    print("| size | variant | allreduce ms | sent per host per call (MB) | vs gloo/flat |")
+    print("| size | variant | ms (allreduce; MLP: step) | sent per host per call (MB) | vs gloo/flat |")
     print("|---|---|---|---|---|")
-    for s in args.sizes:
-        flat = summary.get("gloo/flat", {}).get(str(s), {}).get("ms")
+    for k in summary[args.variants[0]]:
+        flat = summary.get("gloo/flat", {}).get(k, {}).get("ms")
         for v in args.variants:
-            row = summary[v][str(s)]
+            row = summary[v][k]
             ratio = f"{flat / row['ms']:.2f}x" if flat else ""
-            print(f"| {s >> 20} MB | {v} | {row['ms']:.1f} | {row['tx_mb']:.2f} | {ratio} |")
+            name = "MLP step" if k == "mlp" else f"{int(k) >> 20} MB"
+            print(f"| {name} | {v} | {row['ms']:.1f} | {row['tx_mb']:.2f} | {ratio} |")
     if args.json:
         args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "summary": summary,
                                          "rounds": raw}, indent=1))

@@ -7,6 +7,7 @@ Real ranks in real namespaces (skipped without them, ``requires_hosts``); one jo
   and non-blocking, in place or not, with handles (in chunks) waited in reverse order, and the gradient
   bucket engine (``DistributedOptimizer``, several buckets in flight) averages gradients;
 * one rank per host, one host, and ``PHALANX_HIERARCHICAL=0``: no hierarchy (flat), still right;
+* ranks that resolve ``PHALANX_HIERARCHICAL`` differently: InvalidSettingError at init;
 * a rank SIGKILLed mid-loop: every other rank ends with a phalanx error or is stopped by the
   launcher, and the launcher exits non-zero, within a bound.
 """
@@ -174,3 +175,20 @@ def test_a_rank_killed_mid_loop_ends_the_job_with_phalanx_errors_in_bounded_time
     took = ended - float(died)
     assert took < S + END_GRACE, f"the job took {took:.1f} s to end after rank 3 died"
     assert "rank 3" in done.stderr, done.stderr[-3000:]
+
+
+def test_ranks_that_resolve_the_setting_differently_are_refused_at_init(hosts: SimulatedHosts,
+                                                                        tmp_path: Path) -> None:
+    job = _script(tmp_path, textwrap.dedent("""
+        import os
+        import phalanx
+
+        phalanx.settings.hierarchical = os.environ["RANK"] != "3"
+        phalanx.init()
+    """))
+    argv = [sys.executable, "-m", "phalanx", "run", "--hosts", "h0:2,h1:2", "--rsh", hosts.rsh, "--backend", "gloo",
+            "--timeout", "30", str(job)]
+    done = hosts.run(0, argv, capture_output=True, text=True, timeout=JOB_TIMEOUT, env=_env())
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert "InvalidSettingError" in done.stderr and "set the same value on every rank" in done.stderr, \
+        done.stderr[-3000:]
