@@ -63,6 +63,7 @@ DEFAULT_VARIANTS = [
     "gloo/DDP", "gloo/DDP+fp16", "gloo/DDP+powersgd",
 ]
 IFACE = "eth0"  # every simulated host's link
+SOLO_TIMEOUT = 90.0  # seconds for a solo world (torch's PowerSGD hook on gloo aborts, or hangs, within seconds)
 _REASON = re.compile(r"(error|mismatch|terminate|abort|signal|killed|exception|exit)", re.IGNORECASE)
 
 
@@ -107,8 +108,10 @@ def _environment() -> dict[str, str]:
     return env
 
 
-def _reason(output: str, status: int) -> str:
+def _reason(output: str, status: int, timeout: float) -> str:
     """The likeliest cause of a world's end, from its launcher's output: the last line naming an error."""
+    if status == 124:
+        return f"hung: no result within {timeout:g} s (the world was killed)"
     every = [line.strip() for line in output.splitlines()]
     lines = [line for line in every if _REASON.search(line)]
     detail = lines[-1] if lines else f"exit status {status}, no output naming an error"
@@ -126,16 +129,17 @@ def run_world(args: argparse.Namespace, hosts: Any, job: tuple[str, str, list[st
     name, world, keys = job
     out = os.path.join(tmp, f"{name.replace('/', '_')}-{rnd}.json")
     cmd = _command(args, hosts, world, keys, rnd, out)
-    attempts = 1 if BY_KEY[keys[0]].solo else 2
+    solo = BY_KEY[keys[0]].solo
+    attempts, timeout = (1, min(args.world_timeout, SOLO_TIMEOUT)) if solo else (2, args.world_timeout)
     reason = ""
     for attempt in range(1, attempts + 1):
         load, start = os.getloadavg()[0], time.monotonic()
         try:
             proc = hosts.run(0, cmd, env=_environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             timeout=args.world_timeout, check=False)
+                             timeout=timeout, check=False)
             status, text = proc.returncode, proc.stdout.decode(errors="replace")
         except subprocess.TimeoutExpired as e:
-            status, text = 124, (e.output or b"").decode(errors="replace") + f"\ntimed out after {args.world_timeout} s"
+            status, text = 124, (e.output or b"").decode(errors="replace")
         wall = time.monotonic() - start
         for i in range(len(hosts)):  # nothing of this world may outlive it (a rank on a far host, an orphan)
             hosts.kill(i)
@@ -147,7 +151,7 @@ def run_world(args: argparse.Namespace, hosts: Any, job: tuple[str, str, list[st
             if status != 0:
                 found["exit_status"] = status
             return found
-        reason = _reason(text, status)
+        reason = _reason(text, status, timeout)
         print(f"  {name} world, round {rnd + 1}, attempt {attempt}: {reason}\n{text[-3000:]}", file=sys.stderr,
               flush=True)
     return {"failed": reason, "wall_s": round(wall, 2), "load_before": round(load, 2)}
