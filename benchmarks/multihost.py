@@ -49,7 +49,7 @@ import tempfile
 import time
 from typing import Any
 
-from multihost_report import plot, summarize, table  # beside this script (sys.path[0])
+from multihost_report import overview, plot, summarize, table  # beside this script (sys.path[0])
 from train_step_worker import BY_KEY, MODELS, worker
 
 __all__ = ["DEFAULT_VARIANTS", "drive", "main", "parse_rate"]
@@ -264,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"results written to {args.json_path}")
     for record in records:
         print(table(record))
+    if len(records) > 1:
+        print(overview(records))
     if args.png_path:
         plot(records, args.png_path)
         print(f"chart written to {args.png_path}")

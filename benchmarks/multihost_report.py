@@ -7,7 +7,14 @@ from typing import Any
 
 from train_step_worker import BY_KEY, MODELS, build_model
 
-__all__ = ["ddp_equivalent", "plain_equivalent", "plot", "summarize", "table"]
+__all__ = ["OVERVIEW", "ddp_equivalent", "overview", "plain_equivalent", "plot", "summarize", "table"]
+
+# the columns of the overview across configurations: (heading, variant key)
+OVERVIEW = [("mpi", "mpi/DistributedOptimizer"), ("mpi bf16", "mpi/DistributedOptimizer+bf16"),
+            ("mpi PowerSGD", "mpi/DistributedOptimizer+powersgd"), ("hand", "mpi/hand"),
+            ("gloo", "gloo/DistributedOptimizer"), ("gloo bf16", "gloo/DistributedOptimizer+bf16"),
+            ("gloo PowerSGD", "gloo/DistributedOptimizer+powersgd"), ("DDP", "gloo/DDP"),
+            ("DDP fp16", "gloo/DDP+fp16")]
 
 
 def ddp_equivalent(key: str) -> str | None:
@@ -119,6 +126,25 @@ def table(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def overview(records: list[dict[str, Any]]) -> str:
+    """One Markdown table per model across configurations: T_1 and the main variants' step ms."""
+    lines = []
+    models = sorted({m for r in records for m in r["summary"]}, key=list(MODELS).index)
+    for model in models:
+        lines.append(f"\n{MODELS[model]}: step ms (median of rounds, slowest rank)\n")
+        lines.append("| hosts × ranks, link | rounds | T_1 | " + " | ".join(h for h, _ in OVERVIEW) + " |")
+        lines.append("|---|---:|---:|" + "---:|" * len(OVERVIEW))
+        for record in records:
+            if model not in record["summary"]:
+                continue
+            s, block = record["settings"], record["summary"][model]
+            cells = [_fmt(block["rows"].get(k, {}).get("step_ms"), ".0f") for _, k in OVERVIEW]
+            bound = " (CPU-bound)" if record.get("cpu_bound") else ""
+            lines.append(f"| {s['hosts']}×{s['ranks_per_host']}, {s['rate']}{bound} | {s['rounds']} | "
+                         f"{_fmt(block['t1_ms'], '.1f')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(records: list[dict[str, Any]], path: str) -> None:
     """A PNG: one panel per configuration and model, each variant's step time (bars), DDP and T_1 marked."""
     import matplotlib
@@ -159,8 +185,8 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
         ax.legend(loc="lower right", fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
-    fig.suptitle("Training step across simulated hosts (tc tbf links), 1 thread per rank; "
-                 "blue: mpi, orange: gloo (hatched: torch DDP), grey: 1 process", fontsize=10)
+    fig.suptitle("Training step across simulated hosts (tc tbf links), 1 thread per rank\n"
+                 "blue: mpi, orange: gloo (hatched: torch DDP), grey: 1 process", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
