@@ -222,14 +222,15 @@ def _worker(args: argparse.Namespace) -> int:
         if rank == 0:
             _print_row(row, coll, size, impls, first=nbytes == sizes[0],
                        limit=_link_rate(args.link_rate) if args.link_rate else None)
-    hosts = sorted(set(phalanx.allgather_object(os.uname().nodename)))
+    with _as_global(main_world):  # hosts = ranks with local rank 0 (no pickled host names)
+        hosts = int(phalanx.allreduce(np.array(int(phalanx.local_rank() == 0)), op="sum"))
     if rank == 0:
         summary = {"collective": coll, "ranks": size, "backend": main_world.backend.name,
                    "repeats": args.repeats, "check": main_world.check, "results": results,
                    "host": os.uname().nodename, "hosts": hosts, "link_rate": args.link_rate,
                    "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         if coll == "allreduce" and size > 1 and len(sizes) > 1:
-            summary["fit"] = _fit(results, size, "inter" if len(hosts) > 1 else "intra", [n for n, _, _ in impls])
+            summary["fit"] = _fit(results, size, "inter" if hosts > 1 else "intra", [n for n, _, _ in impls])
             _print_fit(summary["fit"], args.link_rate)
         if args.json_path:
             with open(args.json_path, "w") as f:
