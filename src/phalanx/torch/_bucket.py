@@ -30,6 +30,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import _trace
 from .._errors import InvalidArgumentError, UsageError
 from .._groups import world_for
+from ._bucket_hot import Bucket as _Bucket
+from ._bucket_hot import adopt_scaled, scale_unscaled
 from ._common import Compression, GradientOp, backend_call, verify_same_structure
 from ._finite import NonFinitePolicy, any_set, check_and_scale, nonfinite_error, ranks_with
 from ._powersgd import DEFERRED, attach_powersgd, is_powersgd
@@ -53,21 +55,6 @@ def check_options(call: str, op: Any, bucket_cap_mb: Any, compression: Any) -> N
     if compression is not None and not is_powersgd(compression) and compression not in _COMPRESSION:
         raise InvalidArgumentError(f"phalanx.{call}(compression={compression!r}): use None (full precision), "
                                    "'bf16', 'fp16', 'powersgd' or phalanx.torch.PowerSGD(rank=...).")
-
-
-class _Bucket:
-    __slots__ = ("params", "flat", "grads", "presence", "flag", "found", "wire", "request", "absent")
-
-    def __init__(self, params: list[int], flat: torch.Tensor, numel: int, wire: torch.Tensor | None) -> None:
-        self.params = params      # parameter indices, in layout order
-        self.flat = flat          # gradients, one presence slot per parameter, one non-finite flag
-        self.grads = flat[:numel]
-        self.presence = flat[numel:numel + len(params)]
-        self.flag = flat[-1:]     # with check_finite: 1 on a rank whose own gradients were not finite
-        self.found = torch.zeros(1, dtype=torch.float32, device=flat.device)  # this rank's flag
-        self.wire = wire          # 16-bit copy of flat when compressed
-        self.request: Any = None  # the backend request in flight
-        self.absent: list[int] = []  # positions (in params) with no local gradient this cycle
 
 
 class GradientBuckets:
@@ -103,6 +90,7 @@ class GradientBuckets:
         self._build(bucket_cap_mb, _COMPRESSION.get(compression) if compression else None)
         count = len(self._params)
         self._stamp = [-1] * count  # the cycle in which each parameter was marked ready
+        self._scaled = [-1] * count  # the cycle in which _adopt wrote its gradient already scaled
         self._cycle = 0
         self._remaining = [len(b.params) for b in self._buckets]
         self._launched = 0  # buckets launched in the open cycle (always a prefix)
@@ -240,10 +228,10 @@ class GradientBuckets:
             self._passes += 1
 
     def _adopt(self, i: int, p: torch.Tensor) -> None:
-        """Copy a gradient autograd made into the bucket and point ``.grad`` at the bucket's view."""
-        view, grad = self._views[i], p.grad
-        view.copy_(grad.to_dense() if grad.is_sparse else grad)  # type: ignore[union-attr]
-        p.grad = view
+        """Copy a gradient autograd made into the bucket, scaled (one pass), and point ``.grad`` at the view."""
+        adopt_scaled(self._views[i], p.grad, self._scale)  # type: ignore[arg-type]
+        self._scaled[i] = self._cycle
+        p.grad = self._views[i]
 
     def _progress(self) -> None:
         t = self._tested
@@ -261,17 +249,19 @@ class GradientBuckets:
             self._fill_missing(bucket)
         if b == 0 and self.check_steps:
             self._agree_step()
+        scale = scale_unscaled(bucket, self._views, self._scaled, self._cycle, self._scale)
         if self._check_finite:  # this rank's own gradients, before they are mixed with the others'
             device = bucket.flat.device
-            check_and_scale(bucket.grads, bucket.found, self._scale, *self._factors[device])
+            scale32, one32 = self._factors[device]
+            check_and_scale(bucket.grads, bucket.found, scale, one32 if scale == 1.0 else scale32, one32)
             bucket.flag.copy_(bucket.found)
             bad = self._local_bad.get(device)
             if bad is None:
                 self._local_bad[device] = bucket.found.clone()
             else:
                 bad.add_(bucket.found)
-        elif self._scale != 1.0:
-            bucket.flat.mul_(self._scale)
+        elif scale != 1.0:
+            bucket.grads.mul_(scale)
         if self._powersgd is not None:  # prepared; reduced with every other bucket in _finish
             bucket.request, self._launched, self._open = DEFERRED, b + 1, True
             return
@@ -291,6 +281,7 @@ class GradientBuckets:
             p = self._params[i]
             if p.grad is None:
                 self._views[i].zero_()
+                self._scaled[i] = self._cycle
                 bucket.presence[j] = 0
                 bucket.absent.append(j)
             elif p.grad is not self._views[i]:
