@@ -187,6 +187,6 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
         ax.set_visible(False)
     fig.suptitle("Training step across simulated hosts (tc tbf links), 1 thread per rank\n"
                  "blue: mpi, orange: gloo (hatched: torch DDP), grey: 1 process", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))  # room for the two-line title
     fig.savefig(path, dpi=100)
     plt.close(fig)
