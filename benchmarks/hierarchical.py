@@ -146,7 +146,7 @@ def main() -> None:
         for v in args.variants:
             row = summary[v][k]
             ratio = f"{flat / row['ms']:.2f}x" if flat else ""
-            name = "MLP step" if k == "mlp" else f"{int(k) >> 20} MB"
+            name = "MLP step" if k == "mlp" else f"{int(k) >> 20} MB" if int(k) >= 1 << 20 else f"{int(k) >> 10} KB"
             print(f"| {name} | {v} | {row['ms']:.1f} | {row['tx_mb']:.2f} | {ratio} |")
     if args.json:
         args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "summary": summary,

@@ -2,11 +2,12 @@
 
 Real ranks in real namespaces (skipped without them, ``requires_hosts``); one job per test:
 
-* 2 hosts x 2 ranks: the hierarchy is made (leaders 0 and 2) and used (its count of calls
+* 2 hosts x 2 ranks with ``PHALANX_HIERARCHICAL=1``: the hierarchy is made (leaders 0 and 2) and used (its count of calls
   grows), and every op (sum/avg/min/max/prod) on every dtype gives the flat answer, blocking
   and non-blocking, in place or not, with handles (in chunks) waited in reverse order, and the gradient
   bucket engine (``DistributedOptimizer``, several buckets in flight) averages gradients;
-* one rank per host, one host, and ``PHALANX_HIERARCHICAL=0``: no hierarchy (flat), still right;
+* one rank per host, one host (with ``PHALANX_HIERARCHICAL=1``), and ``PHALANX_HIERARCHICAL`` unset (the
+  default, off for now): no hierarchy (flat), still right;
 * ranks that resolve ``PHALANX_HIERARCHICAL`` differently: InvalidSettingError at init;
 * a rank SIGKILLed mid-loop: every other rank ends with a phalanx error or is stopped by the
   launcher, and the launcher exits non-zero, within a bound.
@@ -138,7 +139,7 @@ def _run(hosts: SimulatedHosts, spec: str, job: Path, **env: str) -> dict[int, d
 
 
 def test_two_hosts_of_two_ranks_reduce_hierarchically_and_exactly(hosts: SimulatedHosts, tmp_path: Path) -> None:
-    found = _run(hosts, "h0:2,h1:2", _script(tmp_path, CHECKS))
+    found = _run(hosts, "h0:2,h1:2", _script(tmp_path, CHECKS), PHALANX_HIERARCHICAL="1")
     assert sorted(found) == [0, 1, 2, 3], found
     for rank, row in found.items():
         assert row["bad"] == [], (rank, row["bad"])
@@ -146,8 +147,8 @@ def test_two_hosts_of_two_ranks_reduce_hierarchically_and_exactly(hosts: Simulat
         assert row["calls"] > 80, row  # every allreduce above went through the hierarchy
 
 
-@pytest.mark.parametrize("spec,env", [("h0:1,h1:1", {}), ("h0:2", {}), ("h0:2,h1:2", {"PHALANX_HIERARCHICAL": "0"})],
-                         ids=["one-rank-per-host", "one-host", "turned-off"])
+@pytest.mark.parametrize("spec,env", [("h0:1,h1:1", {"PHALANX_HIERARCHICAL": "1"}), ("h0:2", {"PHALANX_HIERARCHICAL": "1"}),
+                                        ("h0:2,h1:2", {})], ids=["one-rank-per-host", "one-host", "default"])
 def test_without_a_hierarchy_to_use_allreduce_is_flat(hosts: SimulatedHosts, tmp_path: Path, spec: str,
                                                       env: dict[str, str]) -> None:
     found = _run(hosts, spec, _script(tmp_path, CHECKS), **env)
@@ -161,7 +162,8 @@ def test_a_rank_killed_mid_loop_ends_the_job_with_phalanx_errors_in_bounded_time
     logs = tmp_path / "logs"
     argv = [sys.executable, "-m", "phalanx", "run", "--hosts", "h0:2,h1:2", "--rsh", hosts.rsh, "--backend", "gloo",
             "--timeout", f"{S:g}", "--log-dir", str(logs), "--no-echo", str(_script(tmp_path, LOOP))]
-    done = hosts.run(0, argv, capture_output=True, text=True, timeout=JOB_TIMEOUT, env=_env())
+    done = hosts.run(0, argv, capture_output=True, text=True, timeout=JOB_TIMEOUT,
+                     env=_env(PHALANX_HIERARCHICAL="1"))
     ended = time.time()
     texts = {r: (logs / f"rank.{r}.log").read_text(errors="replace") for r in range(4)}
     assert done.returncode != 0, done.stderr[-3000:]

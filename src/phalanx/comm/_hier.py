@@ -53,7 +53,10 @@ from ._torchsetup import translate
 __all__ = ["Hierarchy", "build_hierarchy", "host_layout"]
 
 CHUNK_BYTES = 1 << 20  # a larger allreduce is pipelined in chunks of this size (measured: benchmarks/README.md)
-AUTO = True  # PHALANX_HIERARCHICAL unset: on where the topology has a hierarchy (measured: benchmarks/README.md)
+# PHALANX_HIERARCHICAL unset/auto: off for now. It wins wherever measured (benchmarks/README.md), but under
+# a partition the ranks behind the cut were stopped by the launcher before raising their own timeout
+# (tests/test_host_failures.py, gloo); on once that is understood.
+AUTO = False
 
 
 def host_layout(hosts: list[str]) -> list[tuple[int, ...]]:
@@ -235,7 +238,7 @@ class _HierWork:
                     raise self.error
                 return True
             left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+            if left is not None and left < 0.002:  # torch reads a timeout under 1 ms as none at all
                 raise WaitTimeout(seconds)
             stage = self._hier.blocker(self)
             try:
