@@ -76,8 +76,8 @@ class Settings:
     ``PHALANX_DEBUG``), ``gpu_aware_mpi`` (pass CUDA memory to MPI directly;
     ``None`` asks the MPI library, ``PHALANX_GPU_AWARE_MPI``), ``allow_pickle``
     (enable the object collectives, ``PHALANX_ALLOW_PICKLE``), ``hierarchical`` (gloo's
-    allreduce within hosts, then across them; ``None`` = on when several hosts have
-    several ranks, ``PHALANX_HIERARCHICAL``). Change a field in
+    allreduce within hosts, then across them; ``None`` = off for now,
+    ``PHALANX_HIERARCHICAL``). Change a field in
     code before :func:`phalanx.init` to override the environment.
     """
 
