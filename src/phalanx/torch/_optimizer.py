@@ -63,7 +63,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         bucket_cap_mb: bucket size in MB (default 25, as DDP; the first
             bucket is at most 1 MB so communication starts early).
         compression: ``"bf16"``/``"fp16"`` send 16-bit gradients (after the
-            ``1/size`` scaling); ``None`` (default) full precision.
+            ``1/size`` scaling); ``"powersgd"`` or :class:`PowerSGD` send
+            low-rank factors with error feedback (lossy; reduced at the end of
+            backward; ``docs/compression.md``); ``None`` (default) full precision.
         backward_passes_per_step: ``k`` backward passes accumulate locally
             and the ``k``-th reduces (or use :meth:`no_sync`).
         group: a :class:`phalanx.Group` (``phalanx.new_group``): reduce and

@@ -74,8 +74,9 @@ class DataParallel(torch.nn.Module):
     Reduction:
         op: ``"avg"`` (default: the mean over ranks) or ``"sum"``.
         bucket_cap_mb: bucket size in MB (default 25).
-        compression: ``"bf16"``/``"fp16"`` send 16-bit gradients; ``None``
-            (default) full precision.
+        compression: ``"bf16"``/``"fp16"`` send 16-bit gradients;
+            ``"powersgd"`` or :class:`PowerSGD` low-rank factors with error
+            feedback (lossy; ``docs/compression.md``); ``None`` (default) full precision.
         group: a :class:`phalanx.Group`: reduce among its members only (rank 0
             is its group rank 0); None (default) is the whole world.
 

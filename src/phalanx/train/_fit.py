@@ -66,7 +66,8 @@ def fit(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], opt
             every ``"step"`` or ``"epoch"``.
         accumulate: micro-batches per optimizer step. grad_clip: the maximal gradient norm.
         replicas: in-process replicas (an int or a list of devices), composable with processes.
-        compression, bucket_cap_mb: for the DistributedOptimizer fit makes.
+        compression, bucket_cap_mb: for the DistributedOptimizer fit makes (compression: None, ``"bf16"``,
+            ``"fp16"``, ``"powersgd"`` or a ``phalanx.torch.PowerSGD``).
     Precision:
         precision: ``None``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and a GradScaler).
     Checkpointing:

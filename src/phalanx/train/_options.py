@@ -44,7 +44,8 @@ class FitOptions:
         accumulate: micro-batches per optimizer step (the first ones without communication).
         grad_clip: the maximal gradient norm, or ``None``.
         replicas: in-process replicas: an int or a list of devices.
-        compression, bucket_cap_mb: for the DistributedOptimizer fit wraps around the optimizer.
+        compression, bucket_cap_mb: for the DistributedOptimizer fit wraps around the optimizer
+            (compression: None, ``"bf16"``, ``"fp16"``, ``"powersgd"`` or a ``phalanx.torch.PowerSGD``).
     Precision:
         precision: ``None`` (as the model is), ``"bf16"`` (autocast) or ``"fp16"`` (autocast and
             a GradScaler).
