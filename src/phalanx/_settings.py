@@ -12,6 +12,7 @@ variable                   field                    meaning
 ``PHALANX_GPU_AWARE_MPI``  ``gpu_aware_mpi``        ``0``/``1`` overrides detection
 ``PHALANX_ALLOW_PICKLE``   ``allow_pickle``         ``1`` enables object collectives
 ``PHALANX_HIERARCHICAL``   ``hierarchical``         ``0``/``1`` gloo's hierarchical allreduce
+``PHALANX_MPI_RING``       ``mpi_ring``             ``0``/``1`` mpi's ring allreduce (large buffers)
 =========================  =======================  ======================================
 
 A value that is not a valid number or flag raises :class:`InvalidSettingError`
@@ -77,7 +78,8 @@ class Settings:
     ``None`` asks the MPI library, ``PHALANX_GPU_AWARE_MPI``), ``allow_pickle``
     (enable the object collectives, ``PHALANX_ALLOW_PICKLE``), ``hierarchical`` (gloo's
     allreduce within hosts, then across them; ``None`` = off for now,
-    ``PHALANX_HIERARCHICAL``). Change a field in
+    ``PHALANX_HIERARCHICAL``), ``mpi_ring`` (mpi's own ring allreduce for
+    buffers of 1 MiB and more; ``None`` = on when the world spans hosts, ``PHALANX_MPI_RING``). Change a field in
     code before :func:`phalanx.init` to override the environment.
     """
 
@@ -87,6 +89,7 @@ class Settings:
     gpu_aware_mpi: bool | None = field(default_factory=lambda: env_flag("PHALANX_GPU_AWARE_MPI", None))
     allow_pickle: bool = field(default_factory=lambda: bool(env_flag("PHALANX_ALLOW_PICKLE", False)))
     hierarchical: bool | None = field(default_factory=lambda: env_flag("PHALANX_HIERARCHICAL", None))
+    mpi_ring: bool | None = field(default_factory=lambda: env_flag("PHALANX_MPI_RING", None))
 
 
 settings = Settings()

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from .._arrays import NATIVE_NUMPY_DTYPES
-from . import _halfsum
+from . import _halfsum, _ring
 from ._base import PeerLost, WaitTimeout
 from ._mpilib import (
     MPIRequest,
@@ -95,6 +95,7 @@ class MPIBackend:
         node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         node.Free()
+        self._ring, self._rings = _ring.ring_comm(MPI, self.comm, self.local_size), 0  # large buffers across hosts
         self.gpu_aware = detect_gpu_aware(MPI) if gpu_aware_mpi is None else bool(gpu_aware_mpi)
         self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
         self._bool_ops = {"min": MPI.LAND, "max": MPI.LOR}
@@ -264,6 +265,8 @@ class MPIBackend:
             raise
 
     def allreduce(self, x: Any, op: str, inplace: bool, timeout: float) -> Any:
+        if self._ring is not None and _ring.eligible(x, op):
+            return self.iallreduce(x, op, inplace).wait(timeout)
         if inplace and type(x) is np.ndarray and x.dtype in NATIVE_NUMPY_DTYPES:  # the hot path
             try:
                 req = self.comm.Iallreduce(self._in_place, x, self._ops[op])
@@ -283,6 +286,9 @@ class MPIBackend:
         return finish(work)
 
     def iallreduce(self, x: Any, op: str, inplace: bool) -> Any:
+        if self._ring is not None and _ring.eligible(x, op):
+            self._rings += 1
+            return _ring.Ring(self._ring, self.MPI, x, op, inplace, self._rings % 32_000)
         if _halfsum.eligible(x, op, self.size):
             return _halfsum.HalfSum(self.comm, self.size, x, op, inplace)
         work, finish = self._reduction_work(x, inplace)
@@ -374,7 +380,7 @@ class MPIBackend:
         if self._agreement is not None:
             with contextlib.suppress(Exception):
                 self._agreement.Free()
-        for comm in (self.comm, self._diag):
+        for comm in (self.comm, self._diag, *([self._ring] if self._ring is not None else [])):
             try:
                 comm.Free()
             except Exception:  # noqa: BLE001 - freeing after a failure may itself fail

@@ -1,0 +1,24 @@
+"""mpi's ring allreduce (``comm/_ring.py``) on worlds of 1, 2 and 3 ranks of one host, forced on with
+``PHALANX_MPI_RING=1`` (by default it runs only when the world spans hosts: ``test_host_failures.py`` and
+``test_mpi_hosts.py`` run it there):
+
+* buffers of 1 MiB and more take the ring, smaller ones MPI's own allreduce; a world of 1 has no ring;
+* every op on float32/float64 equals NumPy, for one ring and for a buffer that goes round as several
+  uneven rings; in place and not; bf16/fp16 summed in float32, rounded per hop, NaN kept;
+* non-blocking handles waited in any order; the gradient engine's buckets give the single-process average.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import worlds_ring as bodies
+from conftest import world_params
+
+ENV = {"PHALANX_MPI_RING": "1"}
+
+
+@pytest.mark.parametrize("behaviour", bodies.RING.names)
+@pytest.mark.parametrize("backend,n", world_params([("mpi", 1), ("mpi", 2), ("mpi", 3)]))
+def test_mpi_ring(worlds, backend: str, n: int, behaviour: str) -> None:
+    worlds.check(bodies.ring, backend, n, behaviour, env=ENV, op_timeout=30.0, timeout=180)
