@@ -24,7 +24,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Leaf modules everything uses: exceptions, settings, atomic files, what a buffer is and which
     # device a rank uses (the backends move Buffers and the nccl backend picks devices: below comm).
     ("base", ("phalanx._errors", "phalanx._settings", "phalanx._files", "phalanx._arrays", "phalanx._devices",
-              "phalanx._net", "phalanx._trace")),
+              "phalanx._net", "phalanx._trace",
+              "phalanx._scaling", "phalanx._scaling_data")),  # the α-β model (pure arithmetic; `bench predict`)
     ("comm", ("phalanx.comm", "phalanx.comm.")),
     ("world/collectives", ("phalanx._world", "phalanx._collectives", "phalanx._nonblocking", "phalanx._agreement", "phalanx._failure",
                            "phalanx._output", "phalanx._groups")),
