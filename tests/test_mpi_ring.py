@@ -5,7 +5,7 @@
 * buffers of 1 MiB and more take the ring, smaller ones MPI's own allreduce; a world of 1 has no ring;
 * every op on float32/float64 equals NumPy, for one ring and for a buffer that goes round as several
   uneven rings; in place and not; bf16/fp16 summed in float32, rounded per hop, NaN kept;
-* non-blocking handles waited in any order; the gradient engine's buckets give the single-process average.
+* non-blocking handles waited in any order, a different one on each rank; the gradient engine's buckets give the single-process average.
 """
 
 from __future__ import annotations

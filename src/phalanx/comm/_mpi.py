@@ -89,13 +89,14 @@ class MPIBackend:
         check_launcher_agrees(MPI.COMM_WORLD.Get_size())
         self.comm = MPI.COMM_WORLD.Dup()
         self._diag = MPI.COMM_WORLD.Dup()
-        preconnect(self._diag, _DIAG_TAG)  # a diagnosis must never open a connection (see preconnect)
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         node.Free()
-        self._ring, self._rings = _ring.ring_comm(MPI, self.comm, self.local_size), 0  # large buffers across hosts
+        if self.local_size < self.size:  # across hosts, a diagnosis must never open a connection (preconnect)
+            preconnect(self._diag, _DIAG_TAG)
+        self._ring = _ring.rings_for(MPI, self.comm, self.local_size)  # large buffers across hosts
         self.gpu_aware = detect_gpu_aware(MPI) if gpu_aware_mpi is None else bool(gpu_aware_mpi)
         self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
         self._bool_ops = {"min": MPI.LAND, "max": MPI.LOR}
@@ -259,7 +260,8 @@ class MPIBackend:
 
     def _wait(self, req: Any, timeout: float, *buffers: Any) -> None:
         try:
-            poll(req.Test, timeout, patient=False)
+            poll(req.Test if not (self._ring and self._ring.live) else self._ring.advancing(req.Test), timeout,
+                 patient=False)
         except WaitTimeout:
             self._abandoned.append((req, buffers))  # MPI may still write into them: keep them alive
             raise
@@ -287,8 +289,7 @@ class MPIBackend:
 
     def iallreduce(self, x: Any, op: str, inplace: bool) -> Any:
         if self._ring is not None and _ring.eligible(x, op):
-            self._rings += 1
-            return _ring.Ring(self._ring, self.MPI, x, op, inplace, self._rings % 32_000)
+            return self._ring.start(x, op, inplace)
         if _halfsum.eligible(x, op, self.size):
             return _halfsum.HalfSum(self.comm, self.size, x, op, inplace)
         work, finish = self._reduction_work(x, inplace)
@@ -380,7 +381,7 @@ class MPIBackend:
         if self._agreement is not None:
             with contextlib.suppress(Exception):
                 self._agreement.Free()
-        for comm in (self.comm, self._diag, *([self._ring] if self._ring is not None else [])):
+        for comm in (self.comm, self._diag, *([self._ring.comm] if self._ring is not None else [])):
             try:
                 comm.Free()
             except Exception:  # noqa: BLE001 - freeing after a failure may itself fail

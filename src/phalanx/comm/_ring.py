@@ -26,6 +26,7 @@ host buffers of at least ``MIN_BYTES``.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ import numpy as np
 from ._base import PeerLost, WaitTimeout
 from ._wait import poll
 
-__all__ = ["MIN_BYTES", "Ring", "eligible", "ring_comm"]
+__all__ = ["MIN_BYTES", "Ring", "Rings", "eligible", "rings_for"]
 
 MIN_BYTES = 1 << 20
 SEGMENT_BYTES = 1 << 20  # at most this much per message: a long buffer goes round as several rings
@@ -70,8 +71,8 @@ def eligible(x: Any, op: str) -> bool:
     return dtype in _FLOATS and op in _UFUNCS
 
 
-def ring_comm(MPI: Any, comm: Any, local_size: int) -> Any:
-    """A communicator for the rings (a duplicate of ``comm``), or None where the ring is not used.
+def rings_for(MPI: Any, comm: Any, local_size: int) -> Rings | None:
+    """The :class:`Rings` of ``comm`` (on a duplicate of it), or None where the ring is not used.
 
     On when ``phalanx.settings.mpi_ring`` is True, or None (``PHALANX_MPI_RING`` unset) and the world spans
     hosts; every rank must agree (the most restrictive rank's choice wins), so this is collective.
@@ -82,17 +83,49 @@ def ring_comm(MPI: Any, comm: Any, local_size: int) -> Any:
     wanted = settings.mpi_ring if settings.mpi_ring is not None else local_size < size
     if size == 1 or not comm.allreduce(int(bool(wanted)), op=MPI.MIN):
         return None
-    return comm.Dup()
+    return Rings(MPI, comm.Dup())
+
+
+class Rings:
+    """The rings of one communicator: each started with a tag of its own, every live one advanced, oldest
+    first, whenever any is tested or waited on (or the backend waits on another request), so ranks may wait
+    on their rings in different orders, as MPI allows for its own non-blocking collectives."""
+
+    def __init__(self, MPI: Any, comm: Any) -> None:
+        self.MPI, self.comm = MPI, comm
+        self.live: list[Ring] = []
+        self._count = 0
+
+    def start(self, x: Any, op: str, inplace: bool) -> Ring:
+        """Post the first step of the ring allreduce of ``x`` with ``op``; returns its request."""
+        self._count += 1
+        ring = Ring(self, x, op, inplace, self._count % 32_000)
+        self.live.append(ring)
+        return ring
+
+    def advance(self) -> None:
+        """Move every live ring on as far as its messages allow (PeerLost on an MPI error)."""
+        for ring in list(self.live):
+            if ring._advance():
+                self.live.remove(ring)
+
+    def advancing(self, test: Callable[[], bool]) -> Callable[[], bool]:
+        """``test`` that also advances the live rings (for the backend's waits on other requests)."""
+        def both() -> bool:
+            self.advance()
+            return test()
+        return both
 
 
 class Ring:
     """The ring allreduce of ``x`` (module docstring); ``test()``/``wait(timeout)`` like MPIRequest."""
 
-    __slots__ = ("_comm", "_MPI", "_rank", "_size", "_op", "_tag", "_result", "_all", "_words", "_half",
-                 "_bounds", "_recv", "_reqs", "_step", "_done", "_block", "_per_block")
+    __slots__ = ("_rings", "_comm", "_MPI", "_rank", "_size", "_op", "_tag", "_result", "_all", "_words",
+                 "_half", "_bounds", "_recv", "_reqs", "_step", "_done", "_block", "_per_block")
 
-    def __init__(self, comm: Any, MPI: Any, x: Any, op: str, inplace: bool, tag: int) -> None:
-        self._comm, self._MPI, self._op, self._tag = comm, MPI, op, tag
+    def __init__(self, rings: Rings, x: Any, op: str, inplace: bool, tag: int) -> None:
+        self._rings, self._comm, self._MPI, self._op, self._tag = rings, rings.comm, rings.MPI, op, tag
+        comm = self._comm
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         torch_like = not isinstance(x, np.ndarray)
         self._result = x if inplace else (x.clone() if torch_like else x.copy())
@@ -105,7 +138,10 @@ class Ring:
         self._per_block = max(size, size * (SEGMENT_BYTES // self._all.itemsize))
         self._recv = np.empty(-(-min(n, self._per_block) // size), self._all.dtype)
         self._block, self._done = 0, False
-        self._start_block()
+        try:
+            self._start_block()
+        except self._MPI.Exception as exc:
+            raise PeerLost(str(exc)) from exc
 
     def _start_block(self) -> None:
         n, size = self._all.shape[0], self._size
@@ -144,12 +180,22 @@ class Ring:
             if last and self._op == "avg":
                 mine /= self._size
             return
+        torch = sys.modules.get("torch")
+        if torch is not None:  # vectorised 16-bit conversions (NumPy's float16 ones are not)
+            dtype = torch.bfloat16 if self._half == "bf16" else torch.float16
+            a, b = torch.from_numpy(mine).view(dtype), torch.from_numpy(got).view(dtype)
+            if last and self._op == "avg":
+                a.copy_(a.float().add_(b.float()).div_(self._size))
+            else:
+                a.add_(b)  # in float32, rounded to 16 bits once
+            return
         total = _widen(mine, self._half) + _widen(got, self._half)
         if last and self._op == "avg":
             total /= self._size
         mine[:] = _narrow(total, self._half)
 
-    def test(self) -> bool:
+    def _advance(self) -> bool:
+        """Reduce and post as far as the messages allow; True once done."""
         try:
             while not self._done:
                 if not self._MPI.Request.Testall(self._reqs):
@@ -168,7 +214,14 @@ class Ring:
             raise PeerLost(str(exc)) from exc
         return True
 
+    def test(self) -> bool:
+        """Whether the allreduce is done (advancing every live ring of its communicator first)."""
+        if not self._done:
+            self._rings.advance()
+        return self._done
+
     def wait(self, timeout: float) -> Any:
+        """The result (``x`` itself when in place) once done; WaitTimeout after ``timeout`` s."""
         if not self._done:
             try:
                 poll(self.test, timeout, patient=False)

@@ -76,6 +76,8 @@ def release_subbackend(sub: Backend) -> None:
 def _mpi_sub(parent: Any, ranks: tuple[int, ...]) -> Any:
     import array
 
+    from ._ring import Rings
+
     cls = type(parent)
     sub = cls.__new__(cls)
     sub.__dict__.update(parent.__dict__)  # options, op tables, the MPI module
@@ -85,7 +87,7 @@ def _mpi_sub(parent: Any, ranks: tuple[int, ...]) -> Any:
         sub.comm = parent.comm.Create_group(members, _TAG)
         sub._diag = parent._diag.Create_group(members, _TAG + 1)
         members.Free()
-        sub._ring = sub.comm.Dup() if parent._ring is not None and len(ranks) > 1 else None
+        sub._ring = Rings(MPI, sub.comm.Dup()) if parent._ring is not None and len(ranks) > 1 else None
     except MPI.Exception as exc:
         raise PeerLost(str(exc)) from exc
     sub.rank, sub.size = sub.comm.Get_rank(), sub.comm.Get_size()
