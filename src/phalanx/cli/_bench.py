@@ -92,9 +92,9 @@ def _link_rate(text: str) -> float:
     from .._errors import InvalidArgumentError
 
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise InvalidArgumentError(f"phalanx bench: --link-rate {text!r} is not a rate; pass e.g. 1gbit, "
-                                   f"100mbit or 10mbps (bytes per second).")
+    if not m or float(m[1]) <= 0:
+        raise InvalidArgumentError(f"phalanx bench: --link-rate {text!r} is not a positive rate; pass e.g. "
+                                   f"1gbit, 100mbit or 10mbps (bytes per second).")
     value = float(m[1]) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m[2].lower()]
     return value if (m[3] or "").lower() == "bps" else value / 8
 
