@@ -215,7 +215,7 @@ def test_bench_allreduce_fits_the_shaped_link_across_two_simulated_hosts(tmp_pat
     out = tmp_path / "fit.json"
     with simulated_hosts(2, rate="100mbit") as hosts:
         argv = [sys.executable, "-m", "phalanx", "bench", "allreduce", "--hosts", "h0:1,h1:1", "--rsh", hosts.rsh,
-                "--sizes", "16K,256K", "--repeats", "2", "--min-time", "0.02", "--link-rate", "100mbit",
+                "--sizes", "64K,1M,4M", "--repeats", "2", "--min-time", "0.02", "--link-rate", "100mbit",
                 "--json", str(out)]
         p = hosts.run(0, argv, capture_output=True, text=True, timeout=240, env=dict(os.environ))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
