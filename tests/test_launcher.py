@@ -116,9 +116,11 @@ def _alive(process: psutil.Process) -> bool:
 
 @pytest.mark.parametrize("backend", LAUNCHERS)
 def test_the_rank_killed_first_is_named_even_when_the_launcher_looks_late(tmp_path: Path, backend: str) -> None:
-    """Forced timing: the launcher is stopped (SIGSTOP) while rank 1 dies and for a second after, so it
-    sees every death at once when it resumes. Hydra used to kill the other ranks meanwhile, and the
-    report named rank 0 (the lowest of equal death times); now nobody but the launcher stops them."""
+    """Forced timing: the launcher is stopped (SIGSTOP) while rank 1 dies and for a second after. Hydra
+    SIGKILLs every rank within a millisecond of one dying by a signal, even with -disable-auto-cleanup,
+    so the launcher used to see all three end at once and named rank 0 (the lowest of equal times).
+    Each rank now runs under a keeper (launch/_keeper.py) that turns its signal into an exit status,
+    so nobody but the launcher stops the others."""
     job = script(tmp_path, KILLED_ON_CUE)
     launcher = subprocess.Popen([sys.executable, "-m", "phalanx", "run", "-n", "3", "--backend", backend, str(job),
                                  str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -8,6 +8,7 @@ file                        written by                                  tells th
 ``ready-rank<r>``           ``phalanx.init``, once the world is formed  the rank is past init
 ``failure-rank<r>.json``    the worker or the abort hook, on an error   the exception and when
 ``exit-rank<r>``            the worker, as the very last thing          the rank ended by itself
+``status-rank<r>``          the rank's keeper (``_keeper``), at exit    its exact wait status and when
 ==========================  ==========================================  ===============================
 
 Every reader here tolerates missing and half-written files: a rank may be
@@ -20,7 +21,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["any_record", "marked_ranks", "pid_files", "read_records"]
+__all__ = ["any_record", "marked_ranks", "pid_files", "read_records", "read_statuses"]
 
 
 def _names(job_dir: str) -> list[str]:
@@ -64,6 +65,19 @@ def pid_files(job_dir: str, skip: set[int] | frozenset[int] = frozenset()) -> di
             with open(os.path.join(job_dir, f"pid-rank{rank}")) as f:
                 pid, host = f.read().split()
             found[rank] = (int(pid), host)
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def read_statuses(job_dir: str) -> dict[int, tuple[int, float]]:
+    """rank -> (wait status, negative for a signal; when it ended), from the ``status-rank<r>`` files."""
+    found = {}
+    for rank in marked_ranks(job_dir, "status"):
+        try:
+            with open(os.path.join(job_dir, f"status-rank{rank}")) as f:
+                code, at = f.read().split()
+            found[rank] = (int(code), float(at))
         except (OSError, ValueError):
             continue
     return found

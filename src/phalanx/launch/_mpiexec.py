@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 from .._errors import LaunchError
+from . import _keeper as keeper
 from ._job import GRACE, Launch, Signals, all_local, worker_command
-from ._jobdir import any_record, marked_ranks, pid_files, read_records
+from ._jobdir import any_record, marked_ranks, pid_files, read_records, read_statuses
 from ._logs import FileFollower, log_path, pump
 from ._mpi_deaths import HOST, RecordSink, Watch, can_watch_deaths, deaths_from
 from ._mpi_flavor import (
@@ -68,6 +69,8 @@ def mpi_command(job: Launch, env: dict[str, str], job_dir: str) -> tuple[list[st
         extra = openmpi_args(job, flavor, env, ours)
     else:  # the launcher can stop the ranks itself only where it sees each of them end
         extra = hydra_args(flavor.banner, local and can_watch_deaths())
+        if extra:  # the launcher stops the ranks: Hydra must not see a rank die by a signal (_keeper)
+            env[keeper.ENV] = "1"
     cmd = [mpiexec, "-n", str(job.n), *extra, *placing, *job.mpi_args, *worker_command(job.target)]
     return cmd, bool(extra) and local
 
@@ -212,7 +215,8 @@ def _report(name: str, code: int, output: str, job_dir: str, watch: Watch, start
 
     ``across``: ranks may run on other hosts, whose deaths only mpiexec sees; the report names hosts."""
     records = read_records(job_dir)
-    deaths = deaths_from(output, code, records, watch.dead, culprit, watch.status,
+    statuses = {**watch.status, **{rank: code for rank, (code, _) in read_statuses(job_dir).items()}}
+    deaths = deaths_from(output, code, records, watch.dead, culprit, statuses,
                          pids=pid_files(job_dir) if across else None)
     first = first_failure(records, deaths)
     status = f"{name} exited with {'code' if code > 0 else 'signal'} {abs(code)}"

@@ -30,6 +30,7 @@ import traceback
 from typing import Any
 
 from .._failure import env_rank, keep_job_channel, on_launch_host, record_failure, send_job_file
+from . import _keeper as keeper
 
 
 def _mpi() -> Any:
@@ -140,6 +141,8 @@ def _whole_lines() -> None:
 
 def main() -> None:
     rank = env_rank()  # from the environment: needed before MPI is initialized
+    if os.environ.pop(keeper.ENV, None) and os.environ.get("PHALANX_JOB_DIR"):
+        keeper.keep(os.environ["PHALANX_JOB_DIR"], rank)  # from here on: the rank, a child of its keeper
     _whole_lines()
     if not on_launch_host():  # the launcher's job directory is on its host: its files go through stderr
         os.environ.pop("PHALANX_JOB_DIR", None)

@@ -1,0 +1,73 @@
+"""A rank's keeper: the process MPICH's Hydra starts, which runs the rank as its child.
+
+Hydra kills every rank with SIGKILL the moment one of them dies *by a signal*, even under
+``-disable-auto-cleanup`` (which spares them only when a rank exits with a status): its
+proxy sends SIGUSR1 and then SIGKILL to each rank's process group within a millisecond.
+A launcher that is a few milliseconds late (a loaded machine) then sees every rank end at
+the same instant and cannot tell which one failed: a SIGKILL from the out-of-memory killer
+and Hydra's clean-up look alike.
+
+So where the launcher stops the ranks itself (:func:`._mpi_flavor.hydra_args`), each rank
+forks at start. The child is the rank (its pid is the one in ``pid-rank<r>``; it holds the
+PMI connection and runs the user's code). The parent, a small copy of the interpreter that
+imported nothing heavy, only waits: when the child ends, it writes ``status-rank<r>``
+(the exact wait status, negative for a signal, and when it came) and exits with the status
+a shell would show (``128 + N`` for signal N). Hydra sees an exit status, not a signal, so
+it leaves the other ranks to the launcher, which names the rank that ended first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from .._files import write_atomically
+from ._procs import child_setup
+
+__all__ = ["ENV", "keep"]
+
+ENV = "PHALANX_RANK_KEEPER"  # set by the launcher where it stops the ranks itself (single-host Hydra)
+# What reaches the keeper through the rank's process group (Hydra's SIGUSR1 failure notice, its
+# SIGINT/SIGTERM forwarding): the child gets the same signal and decides; the keeper outlives it.
+_IGNORED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
+            signal.SIGPIPE, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
+
+
+def keep(job_dir: str, rank: int) -> None:
+    """Fork; return in the child (the rank). The parent waits for it and exits with its status."""
+    die_with_keeper = child_setup()
+    child = os.fork()
+    if child == 0:
+        if die_with_keeper is not None:  # a keeper killed alone must not leave an orphaned rank
+            die_with_keeper()
+        return
+    for sig in _IGNORED:
+        signal.signal(sig, signal.SIG_IGN)
+    pmi_fd = os.environ.get("PMI_FD", "")
+    if pmi_fd.isdigit():  # the child's connection to Hydra: it must close when the child ends
+        try:
+            os.close(int(pmi_fd))
+        except OSError:
+            pass
+    for fd in (0, 1, 2):  # the child writes to Hydra's pipes; the keeper has nothing to say
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    while True:
+        try:
+            _, raw = os.waitpid(child, 0)
+            break
+        except ChildProcessError:  # cannot happen for our own child; leave with a failure rather than spin
+            os._exit(1)
+        except InterruptedError:
+            continue
+    status = -os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)
+    try:
+        with write_atomically(os.path.join(job_dir, f"status-rank{rank}"), "w", durable=False) as f:
+            f.write(f"{status} {time.time():.6f}\n")
+    except OSError:
+        pass  # the report falls back on what the launcher saw
+    os._exit(128 - status if status < 0 else status)
+
