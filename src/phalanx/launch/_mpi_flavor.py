@@ -130,6 +130,8 @@ def hydra_args(banner: str, watched: bool) -> list[str]:
     so the order of deaths would not say which rank failed. With ``-disable-auto-cleanup``
     the failing rank is the only one that dies by itself; the launcher, which watches every
     rank here, names it and stops the others. ``MPI_Abort`` still ends the job at once.
+    (Hydra ignores the flag for a rank killed by a signal: each rank runs under a keeper,
+    ``_keeper``, which turns the signal into an exit status.)
 
     ``watched``: every rank runs here and the launcher can see each one end (pidfds). Without
     that, the survivors of a rank killed by a signal could block in an MPI call forever, so
