@@ -249,7 +249,7 @@ class PowerSGD:
             _call(world, call, request.wait, world.timeout)
             for x in lay.matrices:  # each matrix's two passes back to back: the second reads M from cache
                 x.p.copy_(_orthonormal(x.p))
-                torch.matmul(x.p.t(), x.m, out=x.q_local)  # Qᵀ = Pᵀ M (Mᵀ P: 7x slower in MKL, one core)
+                torch.matmul(x.p.t(), x.m, out=x.q_local)  # Qᵀ = Pᵀ M (Mᵀ P: 5x slower in MKL, one core)
                 if self.error_feedback:  # what this rank's own projection leaves out
                     torch.addmm(x.m, x.p, x.q_local, alpha=-1, out=x.error)
             lay.q_next.copy_(lay.q_local)
