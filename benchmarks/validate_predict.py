@@ -10,13 +10,16 @@ For each run that is not CPU-bound, each model and each variant that ran, it pre
 time from the run's one-rank step time (``t1_ms``) and the α-β fit of the link measured by
 ``phalanx bench allreduce --json`` across two simulated hosts at the same rate (``--fabric``):
 the fit of phalanx on MPI for ``mpi/...`` variants, of raw mpi4py for ``mpi/hand``, of
-phalanx on Gloo for ``gloo/...`` (DDP, the Horovod API on Gloo: the same transport). Nothing
+phalanx on Gloo for ``gloo/...`` (DDP, the Horovod API on Gloo: the same transport). PowerSGD's
+local work is timed here, on one thread, once per model (``phalanx bench predict --gflops
+measure``: the ranks of the runs have one thread and, when not CPU-bound, a core each). Nothing
 is fitted to the step times themselves. CPU-bound runs are listed apart and not counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -28,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
 from phalanx._scaling import Fabric, Settings, parse_variant, step_time  # noqa: E402
 from phalanx._scaling_data import LINKS, MODELS, Link, ModelShape  # noqa: E402
+from phalanx.cli._predict import measure_gflops  # noqa: E402
 
 
 def model_shape(name: str, settings: dict[str, Any]) -> ModelShape:
@@ -70,6 +74,19 @@ def model_variant(variant: str) -> str:
     return name
 
 
+_MEASURED: dict[tuple[str, int], float] = {}
+
+
+def gflops(shape: ModelShape, s: Settings, args: argparse.Namespace) -> float:
+    """``--gflops`` as a number, or (``measure``) PowerSGD's local work timed once per model on one thread."""
+    if args.gflops != "measure":
+        return float(args.gflops)
+    key = (shape.name, s.rank)
+    if key not in _MEASURED:
+        _MEASURED[key] = measure_gflops(shape, s)
+    return _MEASURED[key]
+
+
 def rows_of(path: str, fits: dict[str, Any], intra: Link, args: argparse.Namespace) -> list[dict[str, Any]]:
     record = json.load(open(path))
     settings = record["settings"]
@@ -83,8 +100,8 @@ def rows_of(path: str, fits: dict[str, Any], intra: Link, args: argparse.Namespa
             link, impl = link_for(variant, fits)
             s = Settings(t1=block["t1_ms"] / 1e3, ranks_per_host=settings.get("ranks_per_host", 1),
                          rank=settings.get("powersgd_rank", 4), overlap=args.overlap,
-                         cast_s_per_byte=1 / (args.cast_gbps * 1e9) if args.cast_gbps else 0.0,
-                         flops_per_s=args.gflops * 1e9)
+                         cast_s_per_byte=1 / (args.cast_gbps * 1e9) if args.cast_gbps else 0.0)
+            s = dataclasses.replace(s, flops_per_s=gflops(shape, s, args) * 1e9)
             pred = step_time(row["ranks"], shape, parse_variant(model_variant(variant)), Fabric(link, intra), s)
             out.append({"file": os.path.basename(path), "cpu_bound": bool(record.get("cpu_bound")),
                         "model": model_name, "variant": variant, "as": model_variant(variant), "link": impl,
@@ -100,7 +117,8 @@ def main() -> int:
                    help="`phalanx bench allreduce --json` across 2 simulated hosts at the same rate")
     p.add_argument("--overlap", type=float, default=0.0)
     p.add_argument("--cast-gbps", type=float, default=0.0)
-    p.add_argument("--gflops", type=float, default=0.0)
+    p.add_argument("--gflops", default="measure",
+                   help="PowerSGD's local work in GFLOP/s, or 'measure' (the default: timed here, one thread)")
     p.add_argument("--markdown", action="store_true")
     args = p.parse_args()
     fits = json.load(open(args.fabric))["fit"]["links"]
@@ -124,6 +142,8 @@ def main() -> int:
               f"{worst['error']:+.1%} ({worst['file']}, {worst['model']}, {worst['variant']})")
     else:
         print("\nno run that is not CPU-bound: nothing to validate")
+    for (name, rank), value in _MEASURED.items():
+        print(f"PowerSGD's local work ({name}, rank {rank}) measured at {value:.2f} GFLOP/s on one thread")
     return 0
 
 

@@ -21,7 +21,9 @@ from phalanx import InvalidArgumentError
 from phalanx._scaling import (
     Fabric,
     Settings,
+    codec_flops,
     comm_time,
+    compressed_matrices,
     fit_allreduce,
     parse_variant,
     ring_allreduce,
@@ -187,10 +189,58 @@ def test_cli_reads_a_fitted_fabric_and_writes_a_png(tmp_path: Path) -> None:
     (("--model", "mlp", "--step-ms", "5", "--overlap", "2"), "--overlap"),
     (("--model", "mlp", "--params", "5M", "--step-ms", "5"), "--params"),
     (("--model", "mlp", "--step-ms", "5", "--variants", "gzip"), "--variants"),
+    (("--model", "mlp", "--step-ms", "5", "--gflops", "fast"), "--gflops"),
+    (("--model", "mlp", "--step-ms", "5", "--gflops", "-3"), "--gflops"),
 ])
 def test_cli_bad_input_names_the_flag_and_exits_2(args: tuple[str, ...], flag: str) -> None:
     p = cli(*args)
     assert p.returncode == 2 and flag in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_powersgd_codec_costs_its_flops_at_the_given_speed() -> None:
+    s = Settings(t1=0.02, flops_per_s=5e9)
+    flops = sum(codec_flops(n, m, 4) for n, m in compressed_matrices(MODELS["mlp"], s))
+    # every weight matrix, the 10×1024 head too: 10·1024 > 2·4·(10+1024)
+    assert compressed_matrices(MODELS["mlp"], s) == [(1024, 512)] + [(1024, 1024)] * 4 + [(10, 1024)]
+    assert close(flops, 6.0 * 4 * (1024 * 512 + 4 * 1024 * 1024 + 10 * 1024) + 2.0 * 16 * (1024 * 5 + 10))
+    assert compressed_matrices(ModelShape("tall", ((8, 8),), 0), s) == []  # 64 < 2·4·16: sent whole
+    assert close(step_time(2, MODELS["mlp"], PSGD, FABRIC, s)["codec_s"], flops / 5e9)
+    assert step_time(2, MODELS["mlp"], PLAIN, FABRIC, s)["codec_s"] == 0.0
+
+
+def test_cli_gflops_measure_times_phalanx_powersgd_on_this_machine() -> None:
+    pytest.importorskip("torch")
+    p = cli("--model", "mlp", "--step-ms", "20", "--fabric", "1gbe", "--ranks", "2", "--variants",
+            "plain,powersgd", "--gflops", "measure", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    gflops = out["powersgd_gflops"]
+    assert 0.01 < gflops < 1e4  # a real timing: finite, positive
+    flops = sum(codec_flops(n, m, 4) for n, m in compressed_matrices(MODELS["mlp"], Settings(t1=0.02)))
+    plain, psgd = out["rows"]
+    assert plain["codec_s"] == 0.0 and close(psgd["codec_s"], flops / (gflops * 1e9), rel=1e-6)
+    table = cli("--model", "mlp", "--step-ms", "20", "--ranks", "2", "--gflops", "measure")
+    assert table.returncode == 0 and "PowerSGD's local work at " in table.stdout, table.stderr
+    # no matrix PowerSGD would compress: nothing to time, the codec is free
+    none = cli("--params", "1000", "--step-ms", "20", "--ranks", "2", "--gflops", "measure", "--json")
+    assert none.returncode == 0 and json.loads(none.stdout)["powersgd_gflops"] == 0.0, none.stderr
+
+
+def test_codec_seconds_runs_the_passes_powersgd_reduce_makes() -> None:
+    torch = pytest.importorskip("torch")
+    from phalanx.torch import _powersgd
+
+    calls: list[str] = []
+    originals = {name: getattr(_powersgd, name) for name in ("_project", "_second_factor", "_decompress")}
+    try:
+        for name, fn in originals.items():
+            setattr(_powersgd, name, lambda *a, _n=name, _f=fn: (calls.append(_n), _f(*a))[1])
+        seconds = _powersgd.codec_seconds([(64, 32), (48, 48)], rank=4, repeats=2)
+    finally:
+        for name, fn in originals.items():
+            setattr(_powersgd, name, fn)
+    assert seconds > 0 and torch.get_num_threads() >= 1
+    assert calls == (["_project"] * 2 + ["_second_factor"] * 2 + ["_decompress"] * 2) * 3  # warm-up + 2 timed
 
 
 def test_bench_allreduce_refuses_a_bad_link_rate_before_starting_ranks() -> None:

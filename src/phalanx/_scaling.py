@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from ._errors import InvalidArgumentError
 from ._scaling_data import LINKS, MODELS, Link, ModelShape
 
-__all__ = ["Fabric", "Settings", "Variant", "comm_time", "fit_allreduce", "parse_variant", "predict",
+__all__ = ["Fabric", "Settings", "Variant", "codec_flops", "comm_time", "compressed_matrices", "fit_allreduce",
+           "parse_variant", "predict",
            "ring_allreduce", "step_time", "variant_bytes"]
 
 VARIANT_WORDS = ("plain", "bf16", "fp16", "powersgd", "hierarchical")
@@ -115,6 +116,17 @@ def _compressible(rows: int, cols: int, s: Settings) -> bool:
     return (rows + cols) * s.rank * s.min_compression_rate < rows * cols
 
 
+def codec_flops(rows: int, cols: int, rank: int) -> float:
+    """PowerSGD's flops for one rows×cols matrix at ``rank``: ``6nmr + 2nr²`` (P = MQ, Q = MᵀP,
+    M ≈ PQᵀ, Gram-Schmidt)."""
+    return 6.0 * rows * cols * rank + 2.0 * rows * rank ** 2
+
+
+def compressed_matrices(model: ModelShape, s: Settings) -> list[tuple[int, int]]:
+    """The matrices of ``model`` PowerSGD compresses at ``s.rank`` (the others travel as they are)."""
+    return [(rows, cols) for rows, cols in model.matrices if _compressible(rows, cols, s)]
+
+
 def variant_bytes(model: ModelShape, variant: Variant, s: Settings) -> tuple[float, int, float, int]:
     """(bytes sent per step per rank, allreduce rounds, codec flops, values cast to 16 bits) of
     ``variant`` on ``model``.
@@ -132,7 +144,7 @@ def variant_bytes(model: ModelShape, variant: Variant, s: Settings) -> tuple[flo
     for rows, cols in model.matrices:
         if _compressible(rows, cols, s):
             low_rank += s.rank * (rows + cols)
-            flops += 6.0 * rows * cols * s.rank + 2.0 * rows * s.rank ** 2
+            flops += codec_flops(rows, cols, s.rank)
         else:
             rest += rows * cols
     nbytes = 4.0 * low_rank + variant.wire_bytes * rest

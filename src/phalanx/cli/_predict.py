@@ -11,13 +11,24 @@ The model and its assumptions: ``docs/scaling.md``; the arithmetic: :mod:`phalan
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import sys
 from typing import Any
 
 from .._errors import InvalidArgumentError, MissingDependencyError
-from .._scaling import Fabric, Settings, named_link, named_model, parse_variant, predict
+from .._scaling import (
+    Fabric,
+    Settings,
+    codec_flops,
+    compressed_matrices,
+    named_link,
+    named_model,
+    parse_variant,
+    predict,
+)
 from .._scaling_data import LINKS, MODELS, Link, ModelShape
 
 __all__ = ["main", "parse_ranks", "load_fabric"]
@@ -47,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="bucket size: one allreduce each (default 25)")
     p.add_argument("--cast-gbps", type=float, default=0.0,
                    help="bf16/fp16 cast speed, GB of fp32 per s (0: free, the default)")
-    p.add_argument("--gflops", type=float, default=0.0, help="PowerSGD's matmul speed (0: free, the default)")
+    p.add_argument("--gflops", default="0", help="PowerSGD's local work, GFLOP/s (0: free, the default), or "
+                   "'measure': time it for --model on one CPU thread of this machine (needs torch)")
     p.add_argument("--overhead-ms", type=float, default=0.0, help="fixed cost per step on N > 1 ranks")
     p.add_argument("--png", default=None, help="also draw efficiency against ranks into this PNG")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON instead of a table")
@@ -139,30 +151,67 @@ def _model(args: argparse.Namespace) -> ModelShape:
     return named_model(args.model)
 
 
-def _settings(args: argparse.Namespace) -> Settings:
+def _gflops(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        if text.strip().lower() == "measure":
+            return math.nan
+        raise InvalidArgumentError(f"phalanx bench predict: --gflops {text!r} is neither a number nor 'measure'; "
+                                   "pass e.g. --gflops 20, or --gflops measure.") from None
+
+
+def measure_gflops(model: ModelShape, s: Settings) -> float:
+    """GFLOP/s of PowerSGD's local work (``phalanx.torch.PowerSGD``'s own passes) on ``model``'s
+    compressed matrices at ``s.rank``, on one CPU thread of this machine."""
+    mats = compressed_matrices(model, s)
+    if not mats:
+        return 0.0
+    try:
+        import torch
+    except ImportError:
+        raise MissingDependencyError("phalanx bench predict: --gflops measure times PowerSGD with torch, which is "
+                                     "not installed; `pip install torch`, or give --gflops a number.") from None
+    from ..torch._powersgd import codec_seconds
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seconds = codec_seconds(mats, s.rank)
+    finally:
+        torch.set_num_threads(threads)
+    return sum(codec_flops(n, m, s.rank) for n, m in mats) / seconds / 1e9
+
+
+def _settings(args: argparse.Namespace, model: ModelShape) -> Settings:
+    gflops = _gflops(args.gflops)
     checks = [("--step-ms", args.step_ms > 0, "a positive time, e.g. 250"),
               ("--ranks-per-host", args.ranks_per_host >= 1, "1 or more"),
               ("--overlap", 0 <= args.overlap <= 1, "a fraction from 0 to 1"),
               ("--backward-fraction", 0 <= args.backward_fraction <= 1, "a fraction from 0 to 1"),
               ("--rank", args.rank >= 1, "1 or more, e.g. 4"), ("--bucket-mb", args.bucket_mb > 0, "positive"),
-              ("--cast-gbps", args.cast_gbps >= 0, "0 or more"), ("--gflops", args.gflops >= 0, "0 or more"),
+              ("--cast-gbps", args.cast_gbps >= 0, "0 or more"), ("--gflops", math.isnan(gflops) or gflops >= 0, "0 or more, or 'measure'"),
               ("--overhead-ms", args.overhead_ms >= 0, "0 or more")]
     for flag, ok, fix in checks:
         if not ok:
             value = getattr(args, flag[2:].replace("-", "_"))
             raise InvalidArgumentError(f"phalanx bench predict: {flag} {value} is out of range; pass {fix}.")
-    return Settings(t1=args.step_ms / 1e3, ranks_per_host=args.ranks_per_host, overlap=args.overlap,
-                    backward_fraction=args.backward_fraction, rank=args.rank,
-                    bucket_bytes=int(args.bucket_mb * (1 << 20)),
-                    cast_s_per_byte=1 / (args.cast_gbps * 1e9) if args.cast_gbps else 0.0,
-                    flops_per_s=args.gflops * 1e9, overhead=args.overhead_ms / 1e3)
+    s = Settings(t1=args.step_ms / 1e3, ranks_per_host=args.ranks_per_host, overlap=args.overlap,
+                 backward_fraction=args.backward_fraction, rank=args.rank,
+                 bucket_bytes=int(args.bucket_mb * (1 << 20)),
+                 cast_s_per_byte=1 / (args.cast_gbps * 1e9) if args.cast_gbps else 0.0,
+                 flops_per_s=0.0 if math.isnan(gflops) else gflops * 1e9, overhead=args.overhead_ms / 1e3)
+    if math.isnan(gflops):
+        s = dataclasses.replace(s, flops_per_s=measure_gflops(model, s) * 1e9)
+    return s
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``phalanx bench predict`` with ``argv``; returns the exit status (2 for bad input)."""
     args = _parser().parse_args(argv)
     try:
-        model, settings = _model(args), _settings(args)
+        model = _model(args)
+        settings = _settings(args, model)
         fabric = load_fabric(args.fabric, args.intra)
         variants = [parse_variant(v) for v in args.variants.split(",") if v.strip()]
         if not variants:
@@ -175,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.json:
         print(json.dumps({"model": model.name, "params": model.params, "fabric": _describe(fabric),
-                          "settings": vars(args), "rows": rows}, indent=1))
+                          "settings": vars(args),
+                          "powersgd_gflops": settings.flops_per_s / 1e9, "rows": rows}, indent=1))
     else:
         _print_table(rows, model, fabric, settings)
     return 0
@@ -188,7 +238,8 @@ def _describe(fabric: Fabric) -> dict[str, Any]:
 
 def _print_table(rows: list[dict[str, Any]], model: ModelShape, fabric: Fabric, s: Settings) -> None:
     print(f"phalanx bench predict: {model.name} ({model.params / 1e6:.2f}M params), one rank {s.t1 * 1e3:g} ms, "
-          f"{s.ranks_per_host} rank(s) per host, overlap {s.overlap:g}")
+          f"{s.ranks_per_host} rank(s) per host, overlap {s.overlap:g}"
+          + (f", PowerSGD's local work at {s.flops_per_s / 1e9:.2f} GFLOP/s" if s.flops_per_s else ""))
     for cls, link in (("inter", fabric.inter), ("intra", fabric.intra)):
         print(f"  {cls}: α {link.alpha * 1e6:.2f} us, 1/β {link.gbytes_per_s:.3f} GB/s  ({link.note})")
     print(f"{'variant':>22} {'ranks':>6} {'MB sent':>9} {'comm ms':>9} {'step ms':>9} {'efficiency':>10}")

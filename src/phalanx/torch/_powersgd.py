@@ -240,25 +240,20 @@ class PowerSGD:
             torch.cat(lay.segments, out=lay.rest)
             rests.append(_call(world, call, post, lay.rest, "sum", True))
             for x in lay.matrices:
-                if self.error_feedback:
-                    x.m.add_(x.error)
-                torch.matmul(x.m, x.q.t(), out=x.p)  # P = M Q
+                _project(x, self.error_feedback)
             ps.append(_call(world, call, post, lay.p, "sum", True))
         qs = []
         for lay, request in zip(self._layouts, ps, strict=True):
             _call(world, call, request.wait, world.timeout)
-            for x in lay.matrices:  # each matrix's two passes back to back: the second reads M from cache
-                x.p.copy_(_orthonormal(x.p))
-                torch.matmul(x.p.t(), x.m, out=x.q_local)  # Qᵀ = Pᵀ M (Mᵀ P: 5x slower in MKL, one core)
-                if self.error_feedback:  # what this rank's own projection leaves out
-                    torch.addmm(x.m, x.p, x.q_local, alpha=-1, out=x.error)
+            for x in lay.matrices:
+                _second_factor(x, self.error_feedback)
             lay.q_next.copy_(lay.q_local)
             qs.append(_call(world, call, post, lay.q_next, "sum", True))
         for lay, rest, request in zip(self._layouts, rests, qs, strict=True):
             _call(world, call, request.wait, world.timeout)
             self._adopt_factors(lay)
             for x in lay.matrices:
-                torch.matmul(x.p, x.q_next, out=x.m)  # the reduced gradient, P Qᵀ
+                _decompress(x)
             _call(world, call, rest.wait, world.timeout)
             torch._foreach_copy_(lay.segments, list(lay.rest.split(lay.rest_sizes)))
         for bucket in engine._buckets:
@@ -273,6 +268,54 @@ class PowerSGD:
             lay.q.copy_(lay.q_next)
         else:
             lay.error.zero_()
+
+
+def _project(x: _Matrix, error_feedback: bool) -> None:
+    """``M += error`` (error feedback), then ``P = M Q``: this rank's part of the first factor."""
+    if error_feedback:
+        x.m.add_(x.error)
+    torch.matmul(x.m, x.q.t(), out=x.p)
+
+
+def _second_factor(x: _Matrix, error_feedback: bool) -> None:
+    """With ``P`` summed: orthonormalise it, ``Qᵀ = Pᵀ M`` (``Mᵀ P`` is 5x slower in MKL on one core)
+    and, right after (``M`` still in cache), what this rank's projection leaves out."""
+    x.p.copy_(_orthonormal(x.p))
+    torch.matmul(x.p.t(), x.m, out=x.q_local)
+    if error_feedback:
+        torch.addmm(x.m, x.p, x.q_local, alpha=-1, out=x.error)
+
+
+def _decompress(x: _Matrix) -> None:
+    """With ``Q`` summed: the reduced gradient ``M = P Qᵀ``."""
+    torch.matmul(x.p, x.q_next, out=x.m)
+
+
+def codec_seconds(shapes: list[tuple[int, int]], rank: int = 4, repeats: int = 5) -> float:
+    """Seconds one reduction's local work takes for gradient matrices of ``shapes`` (rows, cols) at
+    ``rank``: the same three passes :meth:`PowerSGD.reduce` makes, on random float32 data, in this
+    thread with torch's current thread count; the median of ``repeats``. For ``phalanx bench predict
+    --gflops measure``."""
+    import statistics
+    import time
+
+    lay = _Layout()
+    lay.shapes = [(torch.randn(n, k), min(rank, n, k)) for n, k in shapes]
+    lay.segments = [torch.zeros(1)]
+    lay.allocate(torch.Generator().manual_seed(0))
+    lay.error.normal_(0, 0.01)
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        for x in lay.matrices:
+            _project(x, True)
+        for x in lay.matrices:
+            _second_factor(x, True)
+        lay.q_next.copy_(lay.q_local)
+        for x in lay.matrices:
+            _decompress(x)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def _orthonormal(p: torch.Tensor) -> torch.Tensor:
