@@ -1,4 +1,4 @@
-"""Hierarchical vs flat gloo allreduce (and MPI's own) on 2 simulated hosts × 2 ranks over a shaped link.
+"""Hierarchical vs flat allreduce, gloo and mpi, on 2 simulated hosts × 2 ranks over a shaped link.
 
 ::
 
@@ -7,8 +7,11 @@
 
 Every round starts, in an order rotating from round to round, one world per variant
 from host 0 (``phalanx run --hosts h0:R,h1:R --rsh RSH``): ``gloo/hier``
-(``PHALANX_HIERARCHICAL=1``), ``gloo/flat`` (``PHALANX_HIERARCHICAL=0``) and ``mpi``
-(MPICH's own ``MPI_Allreduce``). Each world times, per size, ``--warmup`` then
+(``PHALANX_HIERARCHICAL=1``), ``gloo/flat`` (``PHALANX_HIERARCHICAL=0``), ``mpi/two-levels``
+(phalanx's ring in two levels, the default across hosts with several ranks each),
+``mpi/flat-ring`` (``PHALANX_HIERARCHICAL=0``: one ring over every rank) and ``mpi/own``
+(``PHALANX_MPI_RING=0``: MPICH's own ``MPI_Allreduce``; the default variants are the gloo
+ones and ``mpi/own``). Each world times, per size, ``--warmup`` then
 ``--iters`` float32 ``phalanx.allreduce`` calls (a barrier before each); a figure is the
 median over rounds of the slowest rank's median call. Bytes: what each host sent on its
 link (``eth0`` transmit counter, headers included) per call, the busiest host's.
@@ -36,7 +39,9 @@ WORKER = textwrap.dedent("""
     if sys.argv[4]:  # the hierarchy's chunk size, for the variants that set it
         import phalanx.comm._hier as h
         h.CHUNK_BYTES = int(sys.argv[4])
-    hier = getattr(phalanx.backend(), "hierarchy", None)
+    backend = phalanx.backend()
+    ring = getattr(backend, "_ring", None)
+    hier = getattr(backend, "hierarchy", None) or (ring.levels if ring is not None else None)
     local0 = int(os.environ.get("LOCAL_RANK", "0")) == 0
 
     def tx():
@@ -85,7 +90,9 @@ WORKER = textwrap.dedent("""
     sys.stdout.flush()
 """)
 
-VARIANTS = {"gloo/hier": ("gloo", "1"), "gloo/flat": ("gloo", "0"), "mpi": ("mpi", "")}
+VARIANTS = {"gloo/hier": ("gloo", "1"), "gloo/flat": ("gloo", "0"), "mpi/own": ("mpi", ""),
+            "mpi/two-levels": ("mpi", "1"), "mpi/flat-ring": ("mpi", "0")}
+DEFAULT_VARIANTS = ["gloo/hier", "gloo/flat", "mpi/own"]
 # gloo/hier@BYTES: the hierarchy with chunks of BYTES (0: one piece), e.g. gloo/hier@0, gloo/hier@4194304
 
 
@@ -95,7 +102,7 @@ def run_world(hosts, variant: str, spec: str, worker: Path, args: argparse.Names
 
     backend, hier = VARIANTS[variant.split("@")[0]]
     chunk = variant.split("@")[1] if "@" in variant else ""
-    env = dict(os.environ, PHALANX_HIERARCHICAL=hier) if hier else dict(os.environ)
+    env = dict(os.environ, PHALANX_HIERARCHICAL=hier) if hier else dict(os.environ, PHALANX_MPI_RING="0")
     argv = [sys.executable, "-m", "phalanx", "run", "--hosts", spec, "--rsh", hosts.rsh, "--backend", backend,
             "--timeout", "60", str(worker), json.dumps(args.sizes), str(args.warmup), str(args.iters),
             str(1 << 62) if chunk == "0" else chunk, str(args.mlp_steps)]
@@ -118,7 +125,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, help=", ".join(VARIANTS))
     parser.add_argument("--mlp-steps", type=int, default=0, help="also time this many steps of the benchmark MLP")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -139,10 +146,11 @@ def main() -> None:
                        "tx_mb": statistics.median(w[k]["tx"] for w in worlds) / 1e6}
                    for k in worlds[0]} for v, worlds in raw.items()}
     print(f"{args.hosts} hosts x {args.ranks_per_host} ranks, {args.rate}, medians of {args.rounds} rounds")
-    print("| size | variant | ms (allreduce; MLP: step) | sent per host per call (MB) | vs gloo/flat |")
+    base = "gloo/flat" if "gloo/flat" in summary else "mpi/flat-ring"
+    print(f"| size | variant | ms (allreduce; MLP: step) | sent per host per call (MB) | vs {base} |")
     print("|---|---|---|---|---|")
     for k in summary[args.variants[0]]:
-        flat = summary.get("gloo/flat", {}).get(k, {}).get("ms")
+        flat = summary.get("gloo/flat", summary.get("mpi/flat-ring", {})).get(k, {}).get("ms")
         for v in args.variants:
             row = summary[v][k]
             ratio = f"{flat / row['ms']:.2f}x" if flat else ""

@@ -10,6 +10,7 @@ left on either host.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -155,6 +156,38 @@ def test_hosts_flag_places_ranks_on_their_hosts(hosts: Any, workdir: Path, venv:
     assert ranks_seen(out.stdout) == {0: ("h0", 10, "eth0"), 1: ("h0", 10, "eth0"),  # -n: the 4 slots
                                       2: ("h1", 10, "eth0"), 3: ("h1", 10, "eth0")}
     assert "@phalanx" not in out.stdout + out.stderr
+
+
+RING_JOB = """\
+import json, os, sys
+os.environ["PHALANX_TEST_RING_LEVELS"] = sys.argv[1]  # argv, not the environment: Open MPI forwards little
+sys.path.insert(0, {tests!r})
+import phalanx
+phalanx.init()
+import worlds_ring
+sys.stdout.write("RING " + json.dumps([phalanx.rank(), worlds_ring.ring()]) + "\\n")
+sys.stdout.flush()
+phalanx.shutdown()
+"""
+
+
+@requires_hosts
+@pytest.mark.parametrize("layout,levels", [("h0:2,h1:2", "1"), ("h0:2,h1:1", "1"), ("h0:1,h1:1", "0")],
+                         ids=["2x2-two-levels", "2+1-two-levels", "1x1-flat"])
+@pytest.mark.parametrize("venv", FLAVOURS)
+def test_the_ring_across_hosts_is_two_levels_where_a_host_holds_several_ranks(
+        hosts: Any, workdir: Path, venv: Path, layout: str, levels: str) -> None:
+    """Every behaviour of ``test_mpi_ring.py`` (every op and dtype against NumPy, handles in any order, the
+    gradient engine) on the default ring across two hosts: in two levels (``comm/_hring.py``) where a host
+    holds several ranks, the flat ring where each holds one."""
+    (workdir / "ring_job.py").write_text(RING_JOB.format(tests=str(Path(__file__).resolve().parent)))
+    out = run_on_h0(hosts, venv, ["--hosts", layout, "--rsh", hosts.rsh, "--backend", "mpi", "--timeout", "30",
+                                  "ring_job.py", levels], workdir)
+    assert out.returncode == 0, out.stdout + out.stderr
+    reports = dict(json.loads(line[5:]) for line in out.stdout.splitlines() if line.startswith("RING "))
+    assert sorted(reports) == list(range(sum(int(h.split(":")[1]) for h in layout.split(",")))), out.stdout
+    failed = {(rank, name): error for rank, report in reports.items() for name, error in report.items() if error}
+    assert not failed, failed
 
 
 @requires_hosts

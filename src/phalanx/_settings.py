@@ -11,7 +11,7 @@ variable                   field                    meaning
 ``PHALANX_DEBUG``          ``debug``                ``1`` also fingerprints the call site
 ``PHALANX_GPU_AWARE_MPI``  ``gpu_aware_mpi``        ``0``/``1`` overrides detection
 ``PHALANX_ALLOW_PICKLE``   ``allow_pickle``         ``1`` enables object collectives
-``PHALANX_HIERARCHICAL``   ``hierarchical``         ``0``/``1`` gloo's hierarchical allreduce
+``PHALANX_HIERARCHICAL``   ``hierarchical``         ``0``/``1`` allreduce within hosts, then across
 ``PHALANX_MPI_RING``       ``mpi_ring``             ``0``/``1`` mpi's ring allreduce (large buffers)
 =========================  =======================  ======================================
 
@@ -76,8 +76,9 @@ class Settings:
     ``PHALANX_CHECK``, default on), ``debug`` (also fingerprint the call site,
     ``PHALANX_DEBUG``), ``gpu_aware_mpi`` (pass CUDA memory to MPI directly;
     ``None`` asks the MPI library, ``PHALANX_GPU_AWARE_MPI``), ``allow_pickle``
-    (enable the object collectives, ``PHALANX_ALLOW_PICKLE``), ``hierarchical`` (gloo's
-    allreduce within hosts, then across them; ``None`` = off for now,
+    (enable the object collectives, ``PHALANX_ALLOW_PICKLE``), ``hierarchical``
+    (allreduce within hosts, then across them; ``None``: off for gloo, on for mpi's
+    ring where the world spans hosts and a host holds several ranks;
     ``PHALANX_HIERARCHICAL``), ``mpi_ring`` (mpi's own ring allreduce for
     buffers of 1 MiB and more; ``None`` = on when the world spans hosts, ``PHALANX_MPI_RING``). Change a field in
     code before :func:`phalanx.init` to override the environment.

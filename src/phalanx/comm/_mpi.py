@@ -381,7 +381,9 @@ class MPIBackend:
         if self._agreement is not None:
             with contextlib.suppress(Exception):
                 self._agreement.Free()
-        for comm in (self.comm, self._diag, *([self._ring.comm] if self._ring is not None else [])):
+        if self._ring is not None:
+            self._ring.free()
+        for comm in (self.comm, self._diag):
             try:
                 comm.Free()
             except Exception:  # noqa: BLE001 - freeing after a failure may itself fail

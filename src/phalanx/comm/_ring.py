@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from ._base import PeerLost, WaitTimeout
+from ._hring import HierRing, Levels
 from ._wait import poll
 
 __all__ = ["MIN_BYTES", "Ring", "Rings", "eligible", "rings_for"]
@@ -75,7 +76,9 @@ def rings_for(MPI: Any, comm: Any, local_size: int) -> Rings | None:
     """The :class:`Rings` of ``comm`` (on a duplicate of it), or None where the ring is not used.
 
     On when ``phalanx.settings.mpi_ring`` is True, or None (``PHALANX_MPI_RING`` unset) and the world spans
-    hosts; every rank must agree (the most restrictive rank's choice wins), so this is collective.
+    hosts; every rank must agree (the most restrictive rank's choice wins), so this is collective. In two
+    levels (:mod:`._hring`) where the world spans hosts and some host holds several ranks, unless
+    ``phalanx.settings.hierarchical`` is False (True: on one host too).
     """
     from .._settings import settings
 
@@ -83,7 +86,15 @@ def rings_for(MPI: Any, comm: Any, local_size: int) -> Rings | None:
     wanted = settings.mpi_ring if settings.mpi_ring is not None else local_size < size
     if size == 1 or not comm.allreduce(int(bool(wanted)), op=MPI.MIN):
         return None
-    return Rings(MPI, comm.Dup())
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    hosts = comm.allreduce(int(node.Get_rank() == 0))
+    shared = comm.allreduce(node.Get_size(), op=MPI.MAX) > 1
+    two_levels = settings.hierarchical if settings.hierarchical is not None else (hosts > 1 and shared)
+    if not comm.allreduce(int(bool(two_levels)), op=MPI.MIN):
+        node.Free()
+        return Rings(MPI, comm.Dup())
+    leaders = comm.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, comm.Get_rank())
+    return Rings(MPI, comm.Dup(), Levels(Rings, MPI, node, None if leaders == MPI.COMM_NULL else leaders))
 
 
 class Rings:
@@ -91,17 +102,31 @@ class Rings:
     first, whenever any is tested or waited on (or the backend waits on another request), so ranks may wait
     on their rings in different orders, as MPI allows for its own non-blocking collectives."""
 
-    def __init__(self, MPI: Any, comm: Any) -> None:
-        self.MPI, self.comm = MPI, comm
-        self.live: list[Ring] = []
+    def __init__(self, MPI: Any, comm: Any, levels: Levels | None = None) -> None:
+        self.MPI, self.comm, self.levels = MPI, comm, levels
+        self.live: list[Ring | HierRing] = []
         self._count = 0
 
-    def start(self, x: Any, op: str, inplace: bool) -> Ring:
-        """Post the first step of the ring allreduce of ``x`` with ``op``; returns its request."""
+    def start(self, x: Any, op: str, inplace: bool) -> Ring | HierRing:
+        """Post the first step of the ring allreduce of ``x`` with ``op`` (in two levels where the backend
+        has them); returns its request."""
         self._count += 1
-        ring = Ring(self, x, op, inplace, self._count % 32_000)
+        tag = self._count % 32_000
+        if self.levels is not None:
+            ring: Ring | HierRing = HierRing(self, self.levels, Ring, x, op, inplace, tag, self.comm.Get_size())
+        else:
+            ring = Ring(self, x, op, inplace, tag)
         self.live.append(ring)
         return ring
+
+    def free(self) -> None:
+        """Free the communicators (the backend's shutdown)."""
+        if self.levels is not None:
+            self.levels.free()
+        try:
+            self.comm.Free()
+        except Exception:  # noqa: BLE001 - freeing after a failure may itself fail
+            pass
 
     def advance(self) -> None:
         """Move every live ring on as far as its messages allow (PeerLost on an MPI error)."""
