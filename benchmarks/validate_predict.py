@@ -74,14 +74,14 @@ def model_variant(variant: str) -> str:
     return name
 
 
-_MEASURED: dict[tuple[str, int], float] = {}
+_MEASURED: dict[tuple[str, tuple[tuple[int, int], ...], int], float] = {}
 
 
 def gflops(shape: ModelShape, s: Settings, args: argparse.Namespace) -> float:
     """``--gflops`` as a number, or (``measure``) PowerSGD's local work timed once per model on one thread."""
     if args.gflops != "measure":
         return float(args.gflops)
-    key = (shape.name, s.rank)
+    key = (shape.name, shape.matrices, s.rank)
     if key not in _MEASURED:
         _MEASURED[key] = measure_gflops(shape, s)
     return _MEASURED[key]
@@ -142,7 +142,7 @@ def main() -> int:
               f"{worst['error']:+.1%} ({worst['file']}, {worst['model']}, {worst['variant']})")
     else:
         print("\nno run that is not CPU-bound: nothing to validate")
-    for (name, rank), value in _MEASURED.items():
+    for (name, _, rank), value in _MEASURED.items():
         print(f"PowerSGD's local work ({name}, rank {rank}) measured at {value:.2f} GFLOP/s on one thread")
     return 0
 

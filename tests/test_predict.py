@@ -191,6 +191,7 @@ def test_cli_reads_a_fitted_fabric_and_writes_a_png(tmp_path: Path) -> None:
     (("--model", "mlp", "--step-ms", "5", "--variants", "gzip"), "--variants"),
     (("--model", "mlp", "--step-ms", "5", "--gflops", "fast"), "--gflops"),
     (("--model", "mlp", "--step-ms", "5", "--gflops", "-3"), "--gflops"),
+    (("--model", "mlp", "--step-ms", "5", "--gflops", "nan"), "--gflops"),
 ])
 def test_cli_bad_input_names_the_flag_and_exits_2(args: tuple[str, ...], flag: str) -> None:
     p = cli(*args)
@@ -227,7 +228,7 @@ def test_cli_gflops_measure_times_phalanx_powersgd_on_this_machine() -> None:
 
 
 def test_codec_seconds_runs_the_passes_powersgd_reduce_makes() -> None:
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from phalanx.torch import _powersgd
 
     calls: list[str] = []
@@ -239,7 +240,7 @@ def test_codec_seconds_runs_the_passes_powersgd_reduce_makes() -> None:
     finally:
         for name, fn in originals.items():
             setattr(_powersgd, name, fn)
-    assert seconds > 0 and torch.get_num_threads() >= 1
+    assert seconds > 0
     assert calls == (["_project"] * 2 + ["_second_factor"] * 2 + ["_decompress"] * 2) * 3  # warm-up + 2 timed
 
 

@@ -153,7 +153,8 @@ def _model(args: argparse.Namespace) -> ModelShape:
 
 def _gflops(text: str) -> float:
     try:
-        return float(text)
+        value = float(text)
+        return value if math.isfinite(value) else -1.0  # nan, inf: refused by the range check
     except ValueError:
         if text.strip().lower() == "measure":
             return math.nan

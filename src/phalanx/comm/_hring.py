@@ -13,9 +13,10 @@ much), however many of those ranks share the host. In two levels:
 On 2 hosts × 2 ranks that is 1× the buffer per link instead of 1.5×
 (``benchmarks/README.md``, "Across hosts"). Each level is a :class:`Ring` on a
 communicator of its own (the same tag, so one request's messages never meet
-another's); ``avg`` is a sum at both levels, divided by the world's size on the
-leader before the broadcast. A state machine like :class:`Ring`: :meth:`_advance`
-moves it on, :class:`Rings` advances every live one whenever any is tested.
+another's); ``avg`` sums within the host and, among the leaders, sums and
+divides by the world's size in float32, as the flat ring does (on one host the
+host's ring divides). A state machine like :class:`Ring`: :meth:`_advance` moves
+it on, :class:`Rings` advances every live one whenever any is tested.
 
 Used in place of the flat ring where the ring is on, the world spans hosts and
 some host holds more than one rank, unless ``phalanx.settings.hierarchical``
@@ -41,12 +42,14 @@ class Levels:
     """The communicators of the two levels: ``node`` (this host's ranks) and ``leaders`` (local rank 0 of
     every host; None on other ranks), each wrapped as a ``Rings`` for its :class:`Ring` steps."""
 
-    def __init__(self, rings_type: Any, MPI: Any, node: Any, leaders: Any) -> None:
+    def __init__(self, rings_type: Any, MPI: Any, node: Any, leaders: Any, hosts: int) -> None:
+        self.hosts = hosts  # how many hosts (leaders) the world has
         self.node = rings_type(MPI, node)
         self.leaders = rings_type(MPI, leaders) if leaders is not None else None
         self.leader = node.Get_rank() == 0
         self.started = 0  # two-level allreduces started, and broadcasts posted: MPI matches non-blocking
         self.posted = 0   # collectives by the order they are posted, so they are posted in start order
+        self.broken: BaseException | None = None  # the first failure: later allreduces raise it at once
 
     def free(self) -> None:
         for rings in (self.node, self.leaders):
@@ -65,49 +68,69 @@ def _raw(x: Any) -> np.ndarray:
 
 
 class HierRing:
-    """The two-level allreduce of ``x`` (module docstring); ``test()``/``wait(timeout)`` like :class:`Ring`."""
+    """The two-level allreduce of ``x`` (module docstring); ``test()``/``wait(timeout)`` like :class:`Ring`.
+
+    ``avg`` sums within hosts and averages among the leaders (that ring divides by the world's size in
+    float32, as the flat ring does; on one host, the host's ring does). A failure (PeerLost) is kept and raised again by every later
+    ``test``; it also marks the :class:`Levels` broken, so that later allreduces, whose broadcasts would wait
+    for this one's, fail at once instead of timing out.
+    """
 
     def __init__(self, rings: Any, levels: Levels, ring_type: Any, x: Any, op: str, inplace: bool,
                  tag: int, world_size: int) -> None:
         self._rings, self._levels, self._ring_type, self._tag = rings, levels, ring_type, tag
-        self._MPI, self._op, self._size = rings.MPI, op, world_size
+        self._MPI, self._size = rings.MPI, world_size
         torch_like = not isinstance(x, np.ndarray)
         self._result = x if inplace else (x.clone() if torch_like else x.copy())
-        self._level_op = "sum" if op == "avg" else op
+        node_ring = levels.node.comm.Get_size() > 1
+        leaders_ring = levels.leaders is not None and levels.hosts > 1
+        # avg: the host's ring sums where the leaders' ring follows (the same on every rank of a host), and
+        # the last ring divides by the world's size
+        self._ops = ("sum" if op == "avg" and levels.hosts > 1 else op, op)
+        self._levels_run = (node_ring, leaders_ring)
         self._stage, self._current, self._done = 0, None, False
+        self._error: PeerLost | None = None
         self._seq = levels.started
         levels.started += 1
+        if levels.broken is not None:
+            raise PeerLost(f"an earlier two-level allreduce failed: {levels.broken}")
         try:
             self._begin(0)
-        except self._MPI.Exception as exc:
-            raise PeerLost(str(exc)) from exc
+        except (self._MPI.Exception, PeerLost) as exc:
+            raise self._fail(exc) from exc
+
+    def _fail(self, exc: BaseException) -> PeerLost:
+        error = exc if isinstance(exc, PeerLost) else PeerLost(str(exc))
+        self._error, self._current = error, None
+        if self._levels.broken is None:
+            self._levels.broken = error
+        return error
 
     def _begin(self, stage: int) -> None:
         """Start ``stage`` (0 within the host, 1 among the leaders, 2 the broadcast), skipping empty ones."""
         levels = self._levels
+        self._current = None
         while stage < 3:
             self._stage = stage
-            if stage == 0 and levels.node.comm.Get_size() > 1:
-                self._current = self._ring_type(levels.node, self._result, self._level_op, True, self._tag)
-                return
-            if stage == 1 and levels.leaders is not None and levels.leaders.comm.Get_size() > 1:
-                self._current = self._ring_type(levels.leaders, self._result, self._level_op, True, self._tag)
+            if stage < 2 and self._levels_run[stage]:
+                rings = levels.node if stage == 0 else levels.leaders
+                self._current = self._ring_type(rings, self._result, self._ops[stage], True, self._tag, self._size)
                 return
             if stage == 2:
                 if levels.posted != self._seq:  # an older one has not posted its broadcast yet
-                    self._current = None
                     return
                 levels.posted += 1
-                if levels.leader and self._op == "avg":
-                    self._result /= self._size
-                if levels.node.comm.Get_size() > 1:
+                if self._levels_run[0]:
                     self._current = levels.node.comm.Ibcast(_raw(self._result), root=0)
                     return
             stage += 1
-        self._done, self._current = True, None
+        self._done = True
 
     def _advance(self) -> bool:
-        """Move on as far as the messages allow; True once done (PeerLost on an MPI error)."""
+        """Move on as far as the messages allow; True once done (PeerLost on an MPI error, then on every
+        later call)."""
+        if self._error is not None:
+            raise self._error
         try:
             while not self._done:
                 current = self._current
@@ -120,12 +143,14 @@ class HierRing:
                 if not finished:
                     return False
                 self._begin(self._stage + 1)
-        except self._MPI.Exception as exc:
-            raise PeerLost(str(exc)) from exc
+        except (self._MPI.Exception, PeerLost) as exc:
+            raise self._fail(exc) from exc
         return True
 
     def test(self) -> bool:
         """Whether the allreduce is done (advancing every live ring of the backend first)."""
+        if self._error is not None:
+            raise self._error
         if not self._done:
             self._rings.advance()
         return self._done

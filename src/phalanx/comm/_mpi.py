@@ -374,7 +374,8 @@ class MPIBackend:
         return self._device_out(x, out)
 
     def barrier(self, timeout: float) -> None:
-        poll(self.comm.Ibarrier().Test, timeout)
+        test = self.comm.Ibarrier().Test
+        poll(test if not (self._ring and self._ring.live) else self._ring.advancing(test), timeout)
 
     # -- lifecycle --------------------------------------------------------------
     def shutdown(self) -> None:

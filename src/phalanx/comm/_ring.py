@@ -94,7 +94,7 @@ def rings_for(MPI: Any, comm: Any, local_size: int) -> Rings | None:
         node.Free()
         return Rings(MPI, comm.Dup())
     leaders = comm.Split(0 if node.Get_rank() == 0 else MPI.UNDEFINED, comm.Get_rank())
-    return Rings(MPI, comm.Dup(), Levels(Rings, MPI, node, None if leaders == MPI.COMM_NULL else leaders))
+    return Rings(MPI, comm.Dup(), Levels(Rings, MPI, node, None if leaders == MPI.COMM_NULL else leaders, hosts))
 
 
 class Rings:
@@ -146,12 +146,13 @@ class Ring:
     """The ring allreduce of ``x`` (module docstring); ``test()``/``wait(timeout)`` like MPIRequest."""
 
     __slots__ = ("_rings", "_comm", "_MPI", "_rank", "_size", "_op", "_tag", "_result", "_all", "_words",
-                 "_half", "_bounds", "_recv", "_reqs", "_step", "_done", "_block", "_per_block")
+                 "_half", "_bounds", "_recv", "_reqs", "_step", "_done", "_block", "_per_block", "_divisor")
 
-    def __init__(self, rings: Rings, x: Any, op: str, inplace: bool, tag: int) -> None:
+    def __init__(self, rings: Rings, x: Any, op: str, inplace: bool, tag: int, divisor: int | None = None) -> None:
         self._rings, self._comm, self._MPI, self._op, self._tag = rings, rings.comm, rings.MPI, op, tag
         comm = self._comm
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
+        self._divisor = divisor or self._size  # what ``avg`` divides by (two levels: the whole world's size)
         torch_like = not isinstance(x, np.ndarray)
         self._result = x if inplace else (x.clone() if torch_like else x.copy())
         self._half = _half_kind(self._result)
@@ -203,20 +204,20 @@ class Ring:
         if self._half is None:
             _UFUNCS[self._op](mine, got, out=mine)
             if last and self._op == "avg":
-                mine /= self._size
+                mine /= self._divisor
             return
         torch = sys.modules.get("torch")
         if torch is not None:  # vectorised 16-bit conversions (NumPy's float16 ones are not)
             dtype = torch.bfloat16 if self._half == "bf16" else torch.float16
             a, b = torch.from_numpy(mine).view(dtype), torch.from_numpy(got).view(dtype)
             if last and self._op == "avg":
-                a.copy_(a.float().add_(b.float()).div_(self._size))
+                a.copy_(a.float().add_(b.float()).div_(self._divisor))
             else:
                 a.add_(b)  # in float32, rounded to 16 bits once
             return
         total = _widen(mine, self._half) + _widen(got, self._half)
         if last and self._op == "avg":
-            total /= self._size
+            total /= self._divisor
         mine[:] = _narrow(total, self._half)
 
     def _advance(self) -> bool:
