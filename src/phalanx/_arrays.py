@@ -24,7 +24,7 @@ import numpy as np
 from ._errors import UnsupportedArgumentError
 
 __all__ = ["DTYPE_CODES", "FLOAT_DTYPES", "NATIVE_NUMPY_DTYPES", "Buffer", "JaxResult",
-           "UnsupportedArgumentError", "as_buffer", "is_jax_array", "jax_host_view"]
+           "UnsupportedArgumentError", "as_buffer", "cast_like", "is_jax_array", "jax_host_view"]
 
 
 # Canonical dtype names and their codes in call fingerprints.
@@ -201,3 +201,13 @@ class JaxResult:
         if result.dtype != self.dtype:  # a bfloat16 array reduced in float32
             result = result.astype(self.dtype)
         return sys.modules["jax"].device_put(result, self.device)
+
+
+def cast_like(like: Any, result: Any) -> Any:
+    """A reduction result (NumPy array or tensor, maybe float32) cast and moved to ``like``'s dtype and device."""
+    if isinstance(like, np.ndarray):
+        return result.astype(like.dtype, copy=False)
+    torch = sys.modules["torch"]
+    if isinstance(result, np.ndarray):
+        result = torch.from_numpy(result)
+    return result.to(device=like.device, dtype=like.dtype)

@@ -30,12 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from ._base import PeerLost, WaitTimeout
-from ._wait import poll
+from ._base import PeerLost
+from ._wait import Stepped
 
 __all__ = ["HierRing", "Levels"]
 
-_ABANDONED: list[HierRing] = []  # allreduces whose wait timed out: MPI may still write into their buffers
 
 
 class Levels:
@@ -67,7 +66,7 @@ def _raw(x: Any) -> np.ndarray:
     return x.reshape(-1).view(sys.modules["torch"].uint8).numpy()
 
 
-class HierRing:
+class HierRing(Stepped):
     """The two-level allreduce of ``x`` (module docstring); ``test()``/``wait(timeout)`` like :class:`Ring`.
 
     ``avg`` sums within hosts and averages among the leaders (that ring divides by the world's size in
@@ -154,13 +153,3 @@ class HierRing:
         if not self._done:
             self._rings.advance()
         return self._done
-
-    def wait(self, timeout: float) -> Any:
-        """The result (``x`` itself when in place) once done; WaitTimeout after ``timeout`` s."""
-        if not self._done:
-            try:
-                poll(self.test, timeout, patient=False)
-            except WaitTimeout:
-                _ABANDONED.append(self)
-                raise
-        return self._result

@@ -40,7 +40,6 @@ from __future__ import annotations
 import array
 import contextlib
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -48,11 +47,12 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import NATIVE_NUMPY_DTYPES
+from .._arrays import NATIVE_NUMPY_DTYPES, cast_like
 from . import _halfsum, _ring
 from ._base import PeerLost, WaitTimeout
 from ._mpilib import (
     MPIRequest,
+    abort_job,
     check_launcher_agrees,
     detect_gpu_aware,
     import_mpi,
@@ -260,8 +260,7 @@ class MPIBackend:
 
     def _wait(self, req: Any, timeout: float, *buffers: Any) -> None:
         try:
-            poll(req.Test if not (self._ring and self._ring.live) else self._ring.advancing(req.Test), timeout,
-                 patient=False)
+            poll(_ring.advancing(self._ring, req.Test), timeout, patient=False)
         except WaitTimeout:
             self._abandoned.append((req, buffers))  # MPI may still write into them: keep them alive
             raise
@@ -365,7 +364,7 @@ class MPIBackend:
         self._finish(self.comm.Ireduce_scatter_block(work, recv, self._mpi_op(work, op)), timeout, work, recv)
         if op == "avg":
             recv /= self.size
-        return _to_user(x, recv)
+        return cast_like(x, recv)
 
     def alltoall(self, x: Any, timeout: float) -> Any:
         out, view = self._new_like(x, tuple(x.shape))
@@ -374,8 +373,7 @@ class MPIBackend:
         return self._device_out(x, out)
 
     def barrier(self, timeout: float) -> None:
-        test = self.comm.Ibarrier().Test
-        poll(test if not (self._ring and self._ring.live) else self._ring.advancing(test), timeout)
+        poll(_ring.advancing(self._ring, self.comm.Ibarrier().Test), timeout)
 
     # -- lifecycle --------------------------------------------------------------
     def shutdown(self) -> None:
@@ -391,32 +389,9 @@ class MPIBackend:
                 pass
 
     def abort(self, code: int) -> None:
-        """End the job with ``MPI_Abort(code)``, then this process (without ``MPI_Finalize``).
-
-        MPICH's ``MPI_Abort`` returns once it has told its launcher, which then kills
-        the ranks; a launcher that cannot be reached (a cut link) never does, and
-        mpi4py's ``MPI_Finalize`` at exit would wait for the lost peers forever.
-        """
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        setter = getattr(self.MPI, "_set_abort_status", None)
-        if setter is not None:
-            setter(code)  # should anything still run Python's exit: mpi4py aborts instead of finalizing
-        self.MPI.COMM_WORLD.Abort(code)
-        os._exit(code)
+        """End the job with ``MPI_Abort(code)``, then this process (:func:`._mpilib.abort_job`)."""
+        abort_job(self.MPI, code)
 
 
 def _identity(w: Any) -> Any:
     return w
-
-
-def _to_user(like: Any, result: Any) -> Any:
-    """Cast/move a reduction result (NumPy or tensor, maybe float32) to ``like``'s dtype and device."""
-    if isinstance(like, np.ndarray):
-        return result.astype(like.dtype, copy=False)
-    torch = _torch()
-    if isinstance(result, np.ndarray):
-        result = torch.from_numpy(result)
-    return result.to(device=like.device, dtype=like.dtype)
-

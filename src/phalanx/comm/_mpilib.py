@@ -8,8 +8,10 @@ that names what to install.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +19,7 @@ from .._errors import BackendUnavailableError
 from ._base import PeerLost, WaitTimeout
 from ._wait import poll
 
-__all__ = ["MPIRequest", "check_launcher_agrees", "detect_gpu_aware", "import_mpi", "mpi_available"]
+__all__ = ["MPIRequest", "abort_job", "check_launcher_agrees", "detect_gpu_aware", "import_mpi", "mpi_available"]
 
 
 def mpi_available() -> bool:
@@ -84,6 +86,23 @@ def check_launcher_agrees(size: int) -> None:
                 "implementations (e.g. Open MPI's mpiexec with MPICH's libmpi). Use the mpiexec "
                 "that matches mpi4py (`phalanx run` picks it), or rebuild mpi4py against your MPI."
             )
+
+
+def abort_job(MPI: Any, code: int) -> None:
+    """End the job with ``MPI_Abort(code)``, then this process (without ``MPI_Finalize``).
+
+    MPICH's ``MPI_Abort`` returns once it has told its launcher, which then kills
+    the ranks; a launcher that cannot be reached (a cut link) never does, and
+    mpi4py's ``MPI_Finalize`` at exit would wait for the lost peers forever.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    setter = getattr(MPI, "_set_abort_status", None)
+    if setter is not None:
+        setter(code)  # should anything still run Python's exit: mpi4py aborts instead of finalizing
+    MPI.COMM_WORLD.Abort(code)
+    os._exit(code)
 
 
 def preconnect(comm: Any, tag: int) -> None:

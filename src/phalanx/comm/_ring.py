@@ -31,17 +31,16 @@ from typing import Any
 
 import numpy as np
 
-from ._base import PeerLost, WaitTimeout
+from ._base import PeerLost
 from ._hring import HierRing, Levels
-from ._wait import poll
+from ._wait import Stepped
 
-__all__ = ["MIN_BYTES", "Ring", "Rings", "eligible", "rings_for"]
+__all__ = ["MIN_BYTES", "Ring", "Rings", "advancing", "eligible", "rings_for"]
 
 MIN_BYTES = 1 << 20
 SEGMENT_BYTES = 1 << 20  # at most this much per message: a long buffer goes round as several rings
 _UFUNCS = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
 _FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-_ABANDONED: list[Ring] = []  # rings whose wait timed out: MPI may still write into their buffers
 
 
 def _half_kind(x: Any) -> str | None:
@@ -97,6 +96,12 @@ def rings_for(MPI: Any, comm: Any, local_size: int) -> Rings | None:
     return Rings(MPI, comm.Dup(), Levels(Rings, MPI, node, None if leaders == MPI.COMM_NULL else leaders, hosts))
 
 
+def advancing(rings: Rings | None, test: Callable[[], bool]) -> Callable[[], bool]:
+    """``test``, moving ``rings``' live rings on too where there are any (a rank waiting on another request
+    must not stall its ring peers)."""
+    return test if rings is None or not rings.live else rings.advancing(test)
+
+
 class Rings:
     """The rings of one communicator: each started with a tag of its own, every live one advanced, oldest
     first, whenever any is tested or waited on (or the backend waits on another request), so ranks may wait
@@ -142,7 +147,7 @@ class Rings:
         return both
 
 
-class Ring:
+class Ring(Stepped):
     """The ring allreduce of ``x`` (module docstring); ``test()``/``wait(timeout)`` like MPIRequest."""
 
     __slots__ = ("_rings", "_comm", "_MPI", "_rank", "_size", "_op", "_tag", "_result", "_all", "_words",
@@ -245,16 +250,6 @@ class Ring:
         if not self._done:
             self._rings.advance()
         return self._done
-
-    def wait(self, timeout: float) -> Any:
-        """The result (``x`` itself when in place) once done; WaitTimeout after ``timeout`` s."""
-        if not self._done:
-            try:
-                poll(self.test, timeout, patient=False)
-            except WaitTimeout:
-                _ABANDONED.append(self)
-                raise
-        return self._result
 
 
 def _widen(words: np.ndarray, kind: str) -> np.ndarray:

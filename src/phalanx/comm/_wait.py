@@ -17,10 +17,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 from ._base import WaitTimeout
 
-__all__ = ["poll"]
+__all__ = ["Stepped", "poll"]
 
 _YIELD_S = 0.05     # sched_yield every 64 tests until 50 ms
 _SLEEP_S = 0.0002   # then sleep 200 us between polls
@@ -49,3 +50,28 @@ def poll(test: Callable[[], bool], timeout: float, *, patient: bool = True) -> N
             os.sched_yield()
         else:
             time.sleep(_SLEEP_S)
+
+
+_ABANDONED: list[Stepped] = []  # stepped requests whose wait timed out: MPI may still write into their buffers
+
+
+class Stepped:
+    """``wait`` for request state machines that move on inside ``test()`` (the mpi rings): ``test`` polled,
+    never sleeping, until ``_done``; then ``_result``. One that times out is kept alive (its buffers with it)."""
+
+    __slots__ = ()
+    _done: bool
+    _result: Any
+
+    def test(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self, timeout: float) -> Any:
+        """The result (``x`` itself when in place) once done; WaitTimeout after ``timeout`` s."""
+        if not self._done:
+            try:
+                poll(self.test, timeout, patient=False)
+            except WaitTimeout:
+                _ABANDONED.append(self)
+                raise
+        return self._result
