@@ -70,9 +70,9 @@ class HierRing(Stepped):
     """The two-level allreduce of ``x`` (module docstring); ``test()``/``wait(timeout)`` like :class:`Ring`.
 
     ``avg`` sums within hosts and averages among the leaders (that ring divides by the world's size in
-    float32, as the flat ring does; on one host, the host's ring does). A failure (PeerLost) is kept and raised again by every later
-    ``test``; it also marks the :class:`Levels` broken, so that later allreduces, whose broadcasts would wait
-    for this one's, fail at once instead of timing out.
+    float32, as the flat ring does; on one host, the host's ring does). A failure (PeerLost) is kept and
+    raised again by every later ``test``; it also marks the :class:`Levels` broken, so that later
+    allreduces, whose broadcasts would wait for this one's, fail at once instead of timing out.
     """
 
     def __init__(self, rings: Any, levels: Levels, ring_type: Any, x: Any, op: str, inplace: bool,
