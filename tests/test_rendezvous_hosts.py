@@ -63,6 +63,7 @@ class Job:
     stderr: dict[int, str] = field(default_factory=dict)
     intruder: dict[str, str] = field(default_factory=dict)
     port: int = 0
+    codes: dict[int, int | None] = field(default_factory=dict)
 
     def file(self, kind: str, rank: int) -> dict[str, Any] | None:
         path = self.out / f"{kind}{rank}.json"
@@ -97,6 +98,7 @@ def run_job(out: Path, popens: list[Popen], envs: list[dict[str, str]], body: st
             if p.poll() is None:
                 p.kill()
                 job.stderr.setdefault(r, p.communicate()[1])
+            job.codes[r] = p.returncode
     return job
 
 
@@ -215,7 +217,7 @@ def test_here_an_unknown_iface_fails_listing_the_interfaces(tmp_path: Path) -> N
 
 
 @needs_address
-def test_here_a_rank_with_another_secret_is_refused(tmp_path: Path) -> None:
+def test_here_a_rank_with_another_secret_is_refused_at_once(tmp_path: Path) -> None:
     assert HERE is not None
     port = free_port(HERE)
     envs = [rank_env(r, 2, HERE, port, PHALANX_SECRET=SECRET if r == 0 else SECRET[::-1], PHALANX_TIMEOUT="3")
@@ -223,7 +225,9 @@ def test_here_a_rank_with_another_secret_is_refused(tmp_path: Path) -> None:
     job = run_job(tmp_path, [subprocess.Popen] * 2, envs)
     wrong, verdict = job.file("error", 1), job.file("error", 0)
     assert wrong is not None and "PHALANX_SECRET differs between ranks" in wrong["error"], job.stderr[1]
-    assert wrong["after_s"] < 3 + 3, wrong  # the timeout, plus a margin
+    print(f"rank 1 raised after {wrong['after_s']:.2f} s")
+    assert wrong["after_s"] < 2, wrong  # at once, not after the timeout: no retry mends another secret
+    assert job.codes[1] == 3, (job.codes, job.stderr[1])  # and exits cleanly, torch's client still retrying
     assert verdict is not None and "missing: rank 1" in verdict["error"], job.stderr[0]
     assert "refused 1 connection(s) without the job's secret" in verdict["error"], verdict
     assert REFUSAL + HERE + ":" in job.stderr[0]

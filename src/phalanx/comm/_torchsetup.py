@@ -39,6 +39,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -155,8 +156,7 @@ class Rendezvous:
             self.guard = Guard.client(self.host, self.port, self.plan.key, self.timeout)
             host, port = "127.0.0.1", self.guard.port
         try:
-            store = dist.TCPStore(host, port, None, serve, timedelta(seconds=self.timeout),
-                                  wait_for_workers=False, **options)
+            store = self._store(dist, host, port, serve, options)
         except RuntimeError as exc:
             if "master_listen_fd" in options:
                 with contextlib.suppress(OSError):
@@ -182,6 +182,34 @@ class Rendezvous:
         if self.agent:
             store = dist.PrefixStore(f"phalanx{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         return store
+
+    def _store(self, dist: Any, host: str, port: int, serve: bool, options: dict[str, Any]) -> Any:
+        """torch's store (server or client). Behind a guard the client connects in a thread, so that
+        a refused handshake (another secret) fails at once, not after the whole timeout that torch's
+        client spends reconnecting; the thread ends by itself within that timeout."""
+        def make() -> Any:
+            return dist.TCPStore(host, port, None, serve, timedelta(seconds=self.timeout),
+                                 wait_for_workers=False, **options)
+        guard = self.guard
+        if guard is None or serve:
+            return make()
+        box: dict[str, Any] = {}
+
+        def connect() -> None:
+            try:
+                box["store"] = make()
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread below
+                box["error"] = exc
+
+        thread = threading.Thread(target=connect, name="phalanx-store-client", daemon=True)
+        thread.start()
+        while thread.is_alive() and guard.refusal is None:
+            thread.join(0.02)
+        if "store" in box:
+            return box["store"]
+        if "error" in box:
+            raise box["error"]
+        raise RuntimeError(guard.refusal)
 
     def _join(self) -> list[str]:
         """Every rank's host, in rank order, once every rank has joined (RendezvousError otherwise)."""
