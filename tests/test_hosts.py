@@ -192,6 +192,31 @@ def test_rsh_command_sees_eof_on_stdin_when_the_connection_ends(hosts: Simulated
     assert proc.wait(5) == (0 if end == "caller-closes-stdin" else -signal.SIGKILL)
 
 
+@requires_hosts
+def test_rsh_an_eof_sent_across_a_cut_reaches_the_command_when_the_link_heals(hosts: SimulatedHosts) -> None:
+    """As ssh's channel close: in flight while the link is down (a launcher closing a cut host's stdin
+    cannot end its ranks at once), delivered on the heal (or after CUT_NOTICE_S, when the far end
+    gives the connection up)."""
+    mark = os.path.join(hosts.tmpdir(1), "eof-cut")
+    proc = subprocess.Popen([hosts.rsh, "h1", f"cat >/dev/null; echo eof > {mark}"], stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    proc.stdin.write(b"data\n")
+    proc.stdin.flush()
+    time.sleep(0.3)  # connected before the cut
+    hosts.cut(1)
+    try:
+        proc.stdin.close()
+        time.sleep(1.5)
+        assert not os.path.exists(mark), "the EOF crossed the cut"
+    finally:
+        hosts.heal(1)
+    deadline = time.monotonic() + 3
+    while not os.path.exists(mark) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert os.path.exists(mark), "the command on h1 never saw EOF after the heal"
+    assert proc.wait(5) == 0
+
+
 # -- MPI across hosts ------------------------------------------------------------------------------
 
 ALLREDUCE = ("from mpi4py import MPI; import numpy as np, socket; c = MPI.COMM_WORLD; a = np.ones(1 << 20); "

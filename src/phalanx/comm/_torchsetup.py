@@ -165,12 +165,9 @@ class Rendezvous:
                 raise RendezvousError(
                     f"phalanx.init: rank 0 could not serve the rendezvous store at {self.where} ({exc}). "
                     "Is MASTER_PORT free? Pick another port, or let `phalanx run` choose one.") from exc
-            why = self.guard.failure if self.guard is not None and self.guard.failure else _first_line(exc)
-            raise RendezvousError(
-                f"phalanx.init: rank {self.rank} of {self.size} could not reach the rendezvous store that "
-                f"rank 0 serves at {self.where} within {self.timeout:g} s ({why}). Rank 0 has "
-                "not started, has already failed, or MASTER_ADDR/MASTER_PORT (or PHALANX_SECRET) differ "
-                "between ranks: start every rank with the same values (`phalanx run` does).") from exc
+            raise self._unreachable(_first_line(exc)) from exc
+        if store is None:  # rank 0's guard could not prove the secret: no retry can change that
+            raise self._unreachable("", waited=False)
         if serve and guarded:
             try:
                 self.guard = Guard.serve(self.plan.bind, self.port, port, self.plan.key)
@@ -183,10 +180,20 @@ class Rendezvous:
             store = dist.PrefixStore(f"phalanx{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         return store
 
+    def _unreachable(self, detail: str, waited: bool = True) -> RendezvousError:
+        why = self.guard.failure if self.guard is not None and self.guard.failure else detail
+        within = f" within {self.timeout:g} s" if waited else ""
+        return RendezvousError(
+            f"phalanx.init: rank {self.rank} of {self.size} could not reach the rendezvous store that "
+            f"rank 0 serves at {self.where}{within} ({why}). Rank 0 has "
+            "not started, has already failed, or MASTER_ADDR/MASTER_PORT (or PHALANX_SECRET) differ "
+            "between ranks: start every rank with the same values (`phalanx run` does).")
+
     def _store(self, dist: Any, host: str, port: int, serve: bool, options: dict[str, Any]) -> Any:
-        """torch's store (server or client). Behind a guard the client connects in a thread, so that
-        a refused handshake (another secret) fails at once, not after the whole timeout that torch's
-        client spends reconnecting; the thread ends by itself within that timeout."""
+        """torch's store (server or client); None once the guard refused rank 0's handshake. Behind a
+        guard the client connects in a thread, so that a refused handshake (another secret) fails at
+        once, not after the whole timeout that torch's client spends reconnecting; the thread ends by
+        itself within that timeout."""
         def make() -> Any:
             return dist.TCPStore(host, port, None, serve, timedelta(seconds=self.timeout),
                                  wait_for_workers=False, **options)
@@ -209,7 +216,7 @@ class Rendezvous:
             return box["store"]
         if "error" in box:
             raise box["error"]
-        raise RuntimeError(guard.refusal)
+        return None
 
     def _join(self) -> list[str]:
         """Every rank's host, in rank order, once every rank has joined (RendezvousError otherwise)."""

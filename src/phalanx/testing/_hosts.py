@@ -285,9 +285,9 @@ class SimulatedHosts:
 
         New ``rsh`` connections to or from it fail (exit 255) after ssh's connect timeout; ``rsh``
         streams already open keep flowing (they do not cross the simulated network), but an ``rsh``
-        client signalled while the cut lasts leaves its command running for 5 s, as a real ssh
-        connection's far end would (a launcher cannot end a cut host's ranks through it). Undo with
-        :meth:`heal`.
+        client signalled, or whose stdin is closed, while the cut lasts leaves its command running
+        (and its stdin open) for 5 s or until the heal, as a real ssh connection's far end would (a
+        launcher cannot end a cut host's ranks through it). Undo with :meth:`heal`.
         """
         i = self._index(i, "cut")
         command(["ip", "-n", self._switch, "link", "set", f"p{i}", "down"])

@@ -14,7 +14,8 @@ importable. It behaves as ``ssh`` does where a launcher can tell:
   ``TMPDIR``: nothing else of the caller's environment.
 - stdin, stdout and stderr are relayed: when the caller closes stdin, or this
   process dies, the command sees EOF on its stdin (and a broken pipe on write),
-  as it would when an ssh connection goes away.
+  as it would when an ssh connection goes away. An EOF while either link is cut
+  reaches the command when the link heals, or after ``CUT_NOTICE_S``.
 - An unknown host exits 255 at once; when the link of the target host or of
   the host this runs on is cut, it exits 255 after the connect timeout, both
   with ssh's message. The exit status is the
@@ -28,6 +29,7 @@ importable. It behaves as ``ssh`` does where a launcher can tell:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pwd
@@ -36,7 +38,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 SSH_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # what sshd gives (Debian)
 _WITH_VALUE = set("BbcDEeFIiJLlmOopQRSWw")  # ssh options that take an argument
@@ -83,8 +85,9 @@ def _connect_timeout(opts: dict[str, str]) -> float:
     return _DEFAULT_CONNECT_TIMEOUT
 
 
-def _pump(src: int, dst: int, close_dst: bool) -> None:
-    """Copy ``src`` to ``dst`` until EOF or a broken pipe, then close what this copy owns."""
+def _pump(src: int, dst: int, close_dst: bool, hold: Callable[[], None] | None = None) -> None:
+    """Copy ``src`` to ``dst`` until EOF or a broken pipe, then (after ``hold()``, if given) close what
+    this copy owns."""
     try:
         while True:
             data = os.read(src, 65536)
@@ -98,7 +101,17 @@ def _pump(src: int, dst: int, close_dst: bool) -> None:
     finally:
         os.close(src)
         if close_dst:
+            if hold is not None:
+                hold()
             os.close(dst)
+
+
+def _hold_while_cut(target: dict[str, str], hosts: list[dict[str, str]]) -> None:
+    """An EOF sent while a link is cut is in flight: the far end sees it once the link heals, or when
+    it gives the connection up (``CUT_NOTICE_S``), as ssh's channel close would."""
+    deadline = time.monotonic() + CUT_NOTICE_S
+    while _unreachable(target, hosts) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _environment(entry: dict[str, str]) -> dict[str, str]:
@@ -156,7 +169,8 @@ def run(config: dict[str, object], args: list[str]) -> int:
                             start_new_session=True)
     _CONNECTION.update(target=entry, hosts=list(hosts.values()), pid=proc.pid)
     if proc.stdin is not None:  # never joined: it may wait on our stdin after the command ended
-        threading.Thread(target=_pump, args=(0, os.dup(proc.stdin.fileno()), True), daemon=True).start()
+        hold = functools.partial(_hold_while_cut, entry, list(hosts.values()))
+        threading.Thread(target=_pump, args=(0, os.dup(proc.stdin.fileno()), True, hold), daemon=True).start()
         proc.stdin.close()
     assert proc.stdout is not None and proc.stderr is not None
     outs = [threading.Thread(target=_pump, args=(os.dup(p.fileno()), fd, False), daemon=True)
