@@ -46,8 +46,9 @@ def _metrics(out: str) -> list[dict]:
     for b in ("mpi", "gloo")])
 def test_example_trains_on_two_processes(registry: str, tmp_path, backend: str) -> None:
     out = str(tmp_path / "run")
-    proc = subprocess.run(_phalanx("run", "-n", "2", "--backend", backend, EXAMPLE, "--registry", registry,
-                                   "--out", out, "--epochs", "2", "--workers", "2"),
+    # --timeout 60: a rank that stalls is named by the others' CollectiveTimeoutError well within the 300 s
+    proc = subprocess.run(_phalanx("run", "-n", "2", "--backend", backend, "--timeout", "60", EXAMPLE,
+                                   "--registry", registry, "--out", out, "--epochs", "2", "--workers", "2"),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "val top-1" in proc.stdout and proc.stdout.count("val top-1") == 1, proc.stdout  # rank 0 only
