@@ -197,8 +197,8 @@ class Rendezvous:
         def make() -> Any:
             return dist.TCPStore(host, port, None, serve, timedelta(seconds=self.timeout),
                                  wait_for_workers=False, **options)
-        guard = self.guard
-        if guard is None or serve:
+        guard = self.guard  # rank 0's guard starts after its store: None here
+        if guard is None:
             return make()
         box: dict[str, Any] = {}
 
