@@ -59,7 +59,7 @@ def _timed_engine(totals: dict[str, float]) -> list[tuple[str, Any]]:
 
 def _old_adopt(self: Any, i: int, p: Any) -> None:
     """The engine's _adopt before the 1/N scaling moved into it (a plain copy; the launch scales)."""
-    view = self._views[i]
+    view = self.views[i]
     view.copy_(p.grad)
     p.grad = view
 

@@ -29,9 +29,9 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
-from phalanx._scaling import Fabric, Settings, parse_variant, step_time  # noqa: E402
-from phalanx._scaling_data import LINKS, MODELS, Link, ModelShape  # noqa: E402
 from phalanx.cli._predict import measure_gflops  # noqa: E402
+from phalanx.cli._scaling import Fabric, Settings, parse_variant, step_time  # noqa: E402
+from phalanx.cli._scaling_data import LINKS, MODELS, Link, ModelShape  # noqa: E402
 
 
 def model_shape(name: str, settings: dict[str, Any]) -> ModelShape:

@@ -3,6 +3,10 @@
 Every multi-rank test runs its body through :func:`phalanx.testing.run_world`
 on worlds of 1, 2 and 3 ranks for each backend available here (local, mpi,
 gloo). A backend that is missing is skipped with the reason, never silently.
+
+``worlds_*.py`` hold those bodies (module-level functions that ``run_world`` calls on every
+rank); ``program_*.py`` are whole scripts that a test starts itself (``phalanx run``, on simulated
+hosts, or as a plain process), each saying in its docstring how it is run.
 """
 
 from __future__ import annotations

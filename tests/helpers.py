@@ -2,11 +2,45 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import re
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["doc_problems", "nan_in_backward", "raise_in_backward", "requires_cuda"]  # and requires_hosts, made on first use
+__all__ = ["Raised", "doc_problems", "nan_in_backward", "raise_in_backward", "raises",
+           "requires_cuda"]  # and requires_hosts, made on first use
+
+
+class Raised:
+    """What :func:`raises` caught: ``value`` is the exception (set when the block has ended)."""
+
+    value: Any
+
+
+@contextlib.contextmanager
+def raises(kind: type[BaseException] | tuple[type[BaseException], ...], otherwise: str,
+           match: str | None = None) -> Iterator[Raised]:
+    """Check that the block raises ``kind`` (a class or a tuple of them), for rank bodies (no pytest there).
+
+    ``otherwise``: the ``AssertionError``'s message when the block raised nothing; ``match``: a
+    regular expression ``re.search`` must find in ``str(exc)``. Another exception propagates
+    unchanged. The context object's ``value`` is the exception, for further checks::
+
+        with raises(phalanx.InvalidArgumentError, "root=-1 was accepted", match="root=0") as raised:
+            phalanx.broadcast(x, root=-1)
+        assert "phalanx.broadcast" in str(raised.value)
+    """
+    raised = Raised()
+    try:
+        yield raised
+    except kind as exc:
+        if match is not None and not re.search(match, str(exc)):
+            raise AssertionError(f"{type(exc).__name__} does not match {match!r}: {exc}") from exc
+        raised.value = exc
+    else:
+        raise AssertionError(otherwise)
 
 
 @functools.cache

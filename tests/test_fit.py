@@ -84,6 +84,19 @@ def test_fit_options_are_checked_before_anything_runs() -> None:
         FitOptions(8, epochs=2)  # type: ignore[misc]  # keyword-only
 
 
+def test_fit_takes_exactly_the_options_of_fit_options() -> None:
+    # FitOptions declares the options; fit's keyword-only parameters are the same names, types and defaults.
+    import dataclasses
+    import inspect
+
+    from phalanx.train import FitOptions, fit
+
+    keywords = {p.name: (str(p.annotation), p.default) for p in inspect.signature(fit).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    fields = {f.name: (str(f.type), f.default) for f in dataclasses.fields(FitOptions)}
+    assert keywords == fields
+
+
 def test_help_of_every_public_training_name_stands_alone() -> None:
     import inspect
 

@@ -32,7 +32,7 @@ from conftest import AVAILABLE
 from helpers import requires_hosts
 from phalanx import LaunchError
 from phalanx.launch import Launch, launch
-from phalanx.launch._nodes import parse_master
+from phalanx.launch._on_each_host import parse_master
 from phalanx.testing import SimulatedHosts, simulated_hosts
 
 pytestmark = pytest.mark.skipif("gloo" not in AVAILABLE, reason="no gloo backend here (torch.distributed)")

@@ -1,6 +1,6 @@
 """Bounded failure across hosts: 2 simulated hosts x 2 ranks, ``phalanx run --hosts h0:2,h1:2 --rsh RSH``.
 
-A loop of 16 MB allreduces (``worlds_host_failures.py loop``) runs until a fault:
+A loop of 16 MB allreduces (``program_host_failures.py loop``) runs until a fault:
 
 * a partition (``hosts.cut(1)``) mid-loop: every rank on **both** sides raises
   ``CollectiveTimeoutError`` naming ``phalanx.allreduce`` within ``S + RAISE_GRACE``
@@ -31,7 +31,7 @@ from conftest import world_params
 from helpers import requires_hosts
 from phalanx.testing import SimulatedHosts, simulated_hosts
 
-BODY = str(Path(__file__).with_name("worlds_host_failures.py"))
+BODY = str(Path(__file__).with_name("program_host_failures.py"))
 S = 5.0             # --timeout of the fault tests (seconds)
 RAISE_GRACE = 4.0   # diagnosis (at most 2 s; S/4 here) plus 2 s of slack, from the fault to a rank's error
 END_GRACE = 12.0    # the errors (diagnosis S/4), MPI_Abort's 5 s (ABORT_GRACE), SIGTERM's 3 s (GRACE), reporting

@@ -1,6 +1,6 @@
 """Training across hosts equals one process on the same global batch (3 simulated hosts).
 
-``phalanx run --hosts ... --rsh RSH worlds_hosts_equal.py DIR`` from host 0, on
+``phalanx run --hosts ... --rsh RSH program_hosts_equal.py DIR`` from host 0, on
 2 hosts x 2 ranks and 3 hosts x 1 rank, for mpi (MPICH, and Open MPI where
 ``.venv-ompi`` exists beside this environment) and gloo. Every rank trains with
 ``fit(global_batch_size=12)`` and with a ``DistributedOptimizer`` loop and
@@ -26,7 +26,7 @@ from phalanx.testing import SimulatedHosts, simulated_hosts
 pytest.importorskip("torch")
 
 HERE = Path(__file__).resolve().parent
-SCRIPT = HERE / "worlds_hosts_equal.py"
+SCRIPT = HERE / "program_hosts_equal.py"
 VENV = Path(sys.executable).parent.parent
 OMPI = Path(os.environ.get("PHALANX_OMPI_VENV", str(VENV.parent / ".venv-ompi")))
 TOL = 1e-9

@@ -18,7 +18,8 @@ import pytest
 
 from helpers import requires_hosts
 from phalanx import InvalidArgumentError
-from phalanx._scaling import (
+from phalanx.cli._predict import parse_ranks
+from phalanx.cli._scaling import (
     Fabric,
     Settings,
     codec_flops,
@@ -30,8 +31,7 @@ from phalanx._scaling import (
     step_time,
     variant_bytes,
 )
-from phalanx._scaling_data import LINKS, MODELS, Link, ModelShape
-from phalanx.cli._predict import parse_ranks
+from phalanx.cli._scaling_data import LINKS, MODELS, Link, ModelShape
 
 CLI_TIMEOUT = 60
 LINK = Link(alpha=10e-6, beta=1e-9)  # 10 us, 1 GB/s
@@ -251,7 +251,7 @@ def test_bench_allreduce_refuses_a_bad_link_rate_before_starting_ranks() -> None
 
 
 def test_import_phalanx_and_the_model_stay_light() -> None:
-    code = ("import sys, phalanx, phalanx._scaling, phalanx.cli._predict; "
+    code = ("import sys, phalanx, phalanx.cli._scaling, phalanx.cli._predict; "
             "print(sorted(m for m in ('torch', 'mpi4py', 'jax', 'matplotlib') if m in sys.modules))")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=CLI_TIMEOUT)
     assert p.returncode == 0 and p.stdout.strip() == "[]", (p.stdout, p.stderr)

@@ -28,7 +28,7 @@ import pytest
 from helpers import requires_hosts
 from phalanx._net import interface_of, interfaces, is_loopback
 
-PROGRAM = str(Path(__file__).with_name("worlds_rendezvous.py"))
+PROGRAM = str(Path(__file__).with_name("program_rendezvous.py"))
 SECRET = "5f1c0ffee0ddba11" * 4
 REFUSAL = "phalanx: refused a rendezvous connection from "
 _DROP = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "PHALANX_", "MASTER_", "TORCHELASTIC_", "LOCAL_", "RANK",

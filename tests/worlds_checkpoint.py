@@ -23,6 +23,7 @@ import numpy as np
 
 import phalanx
 from behaviours import Behaviours
+from helpers import raises
 
 PER_RANK = 4
 
@@ -147,15 +148,13 @@ def failures(directory: str) -> None:
         targets.append(os.path.join(read_only, "c.pt"))
         states.append(state)
     for target, st in zip(targets, states, strict=True):
-        try:
+        with raises(pt.CheckpointError, f"rank {r}: save_checkpoint({target!r}) should have failed on every rank") as raised:
             pt.save_checkpoint(target, st)
-        except pt.CheckpointError as exc:
-            text = str(exc)
-            assert r == 0 or "rank 0" in text, text
-            if st is not state:
-                assert "state['extra']['fn']" in text and "builtin_function_or_method" in text, text
-        else:
-            raise AssertionError(f"rank {r}: save_checkpoint({target!r}) should have failed on every rank")
+        exc = raised.value
+        text = str(exc)
+        assert r == 0 or "rank 0" in text, text
+        if st is not state:
+            assert "state['extra']['fn']" in text and "builtin_function_or_method" in text, text
     phalanx.barrier()
     leftovers = [name for _, _, names in os.walk(directory) for name in names if ".tmp-" in name]
     assert not leftovers, f"temporary files left behind: {leftovers}"

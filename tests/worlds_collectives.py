@@ -12,6 +12,7 @@ import numpy as np
 
 import phalanx
 from behaviours import Behaviours
+from helpers import raises
 
 NUMPY_DTYPES = ["float16", "float32", "float64", "int32", "int64", "bool"]
 TORCH_DTYPES = ["float16", "bfloat16", "float32", "float64", "int32", "int64", "bool"]
@@ -272,12 +273,10 @@ def _(r: int, n: int, backend: str) -> None:
 
 @_mixed("object-collectives-need-allow-pickle")
 def _(r: int, n: int, backend: str) -> None:
-    try:
+    with raises(phalanx.PhalanxError, "broadcast_object without allow_pickle must raise") as raised:
         phalanx.broadcast_object({"a": 1})
-    except phalanx.PhalanxError as exc:
-        assert "allow_pickle=True" in str(exc)
-    else:
-        raise AssertionError("broadcast_object without allow_pickle must raise")
+    exc = raised.value
+    assert "allow_pickle=True" in str(exc)
 
 
 @_mixed("broadcast-object-carries-roots-value")

@@ -30,6 +30,7 @@ from typing import Any
 import phalanx
 import phalanx.train
 from behaviours import Behaviours
+from helpers import raises
 
 GLOBAL = 12  # samples per optimizer step: 3 ranks x 4, 2 ranks x 6, 1 x 12
 STEPS = 12  # 60 samples: 5 steps an epoch
@@ -93,22 +94,18 @@ def _(tmp: str) -> None:
     wf = _fit_world()
     torch = wf._torch()
     m = wf.model(torch, 0)
-    try:
+    with raises(phalanx.InvalidArgumentError, f"fit(global_batch_size=10) ran on {phalanx.size()} ranks") as raised:
         phalanx.train.fit(m, torch.nn.functional.cross_entropy, wf.sgd(torch, m), wf.data(torch),
                           global_batch_size=10, steps=1, progress=False)
-    except phalanx.InvalidArgumentError as exc:
-        text = str(exc)
-        assert "fit(global_batch_size=10)" in text and f"{phalanx.size()} rank(s)" in text, text
-        assert "Give a multiple of 3 (e.g. 9 or 12)" in text, text
-    else:
-        raise AssertionError(f"fit(global_batch_size=10) ran on {phalanx.size()} ranks")
-    try:
+    exc = raised.value
+    text = str(exc)
+    assert "fit(global_batch_size=10)" in text and f"{phalanx.size()} rank(s)" in text, text
+    assert "Give a multiple of 3 (e.g. 9 or 12)" in text, text
+    with raises(phalanx.InvalidArgumentError, "fit took both batch_size and global_batch_size") as raised:
         phalanx.train.fit(m, torch.nn.functional.cross_entropy, wf.sgd(torch, m), wf.data(torch),
                           batch_size=4, global_batch_size=12, steps=1, progress=False)
-    except phalanx.InvalidArgumentError as exc:
-        assert "give exactly one" in str(exc), str(exc)
-    else:
-        raise AssertionError("fit took both batch_size and global_batch_size")
+    exc = raised.value
+    assert "give exactly one" in str(exc), str(exc)
 
 
 @RESUME.behaviour("two-ranks-resume-mid-epoch-and-end-equal-to-one-process")

@@ -11,6 +11,7 @@ import numpy as np
 
 import phalanx
 from behaviours import Behaviours
+from helpers import raises
 
 MISMATCHES = Behaviours()
 _mismatch = MISMATCHES.add
@@ -25,12 +26,10 @@ def _same_on_every_rank(text: str, what: str) -> None:
 def _expect_mismatch(attempt, *needles: str, what: str) -> None:
     """``attempt()`` raises CollectiveMismatchError on this rank, naming ``needles``; the world stays usable."""
     n = phalanx.size()
-    try:
+    missed = f"mismatch {what!r} was not detected on rank {phalanx.rank()}"
+    with raises(phalanx.CollectiveMismatchError, missed) as raised:
         attempt()
-    except phalanx.CollectiveMismatchError as exc:
-        text = str(exc)
-    else:
-        raise AssertionError(f"mismatch {what!r} was not detected on rank {phalanx.rank()}")
+    text = str(raised.value)
     missing = [s for s in needles if s not in text]
     assert not missing, f"{missing} not in: {text}"
     _same_on_every_rank(text, what)
@@ -77,15 +76,12 @@ CALL_SITE = Behaviours()
 @CALL_SITE.behaviour("debug-mode-names-the-call-sites")
 def _() -> None:
     x = np.ones(2)
-    try:
+    with raises(phalanx.CollectiveMismatchError, "debug mode did not catch the call-site mismatch") as raised:
         if phalanx.rank() == 0:
             phalanx.allreduce(x)  # first call on rank 0 ...
         else:
             phalanx.allreduce(x)  # ... pairs with a different call site on rank 1
-    except phalanx.CollectiveMismatchError as exc:
-        assert "site differs" in str(exc) and "worlds_failures.py:" in str(exc), str(exc)
-    else:
-        raise AssertionError("debug mode did not catch the call-site mismatch")
+    assert "site differs" in str(raised.value) and "worlds_failures.py:" in str(raised.value), str(raised.value)
 
 
 def call_site_mismatch() -> dict[str, str | None]:
@@ -101,14 +97,12 @@ def _bad(name: str, call, kind: type, fragment: str) -> None:
     def check() -> None:
         if phalanx.rank() != 0:
             return
-        try:
+        with raises(phalanx.PhalanxError, "a bad call was accepted") as raised:
             call(phalanx.size())
-        except phalanx.PhalanxError as exc:
-            assert isinstance(exc, kind), f"{type(exc).__mro__} is not a {kind}"
-            assert fragment in str(exc), f"{fragment!r} not in {exc}"
-            assert "phalanx." in str(exc), f"the error does not name the call: {exc}"
-        else:
-            raise AssertionError("a bad call was accepted")
+        exc = raised.value
+        assert isinstance(exc, kind), f"{type(exc).__mro__} is not a {kind}"
+        assert fragment in str(exc), f"{fragment!r} not in {exc}"
+        assert "phalanx." in str(exc), f"the error does not name the call: {exc}"
 
     BAD_INPUT.add(name, check)
 

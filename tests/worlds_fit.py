@@ -19,7 +19,7 @@ from typing import Any
 
 import phalanx
 from behaviours import Behaviours
-from helpers import nan_in_backward, raise_in_backward
+from helpers import nan_in_backward, raise_in_backward, raises
 
 GLOBAL = 12  # samples per global micro-batch: divisible by 1, 2, 3 ranks and by 2 replicas
 TOL = 1e-9
@@ -250,12 +250,10 @@ def _raise_names_the_rank(w: World, kind: str, text: str) -> None:
     policy = {"on_oom": "raise"} if kind == "oom" else {"on_nonfinite": "raise"}
     culprit = w.size - 1
     m = w.fresh(30)
-    try:
+    with raises(w.pt.TrainingError, f"{kind}: fit did not raise TrainingError on rank {w.rank}") as raised:
         w.fit(m, faulty(w, kind, 1, culprit), steps=5, **policy)
-    except w.pt.TrainingError as exc:
-        assert f"{text} on rank(s) [{culprit}]" in str(exc) and "step 1" in str(exc), str(exc)
-    else:
-        raise AssertionError(f"{kind}: fit did not raise TrainingError on rank {w.rank}")
+    exc = raised.value
+    assert f"{text} on rank(s) [{culprit}]" in str(exc) and "step 1" in str(exc), str(exc)
     assert all(w.torch.isfinite(p).all() for p in m.parameters()), "a NaN gradient was applied"
 
 
@@ -268,12 +266,10 @@ FAILURES.add("raise-on-nan-gradient-names-the-rank", _raise_names_the_rank, "nan
 @FAILURES.behaviour("too-many-skips-in-a-row-stop-every-rank")
 def _(w: World) -> None:
     m = model(w.torch, 0)
-    try:
+    with raises(w.pt.TrainingError, "fit did not stop after 4 skipped steps") as raised:
         w.fit(m, lambda out, y: w.ce(out, y) * float("inf"), steps=20, max_skipped=3)
-    except w.pt.TrainingError as exc:
-        assert "4 steps in a row" in str(exc), str(exc)
-    else:
-        raise AssertionError("fit did not stop after 4 skipped steps")
+    exc = raised.value
+    assert "4 steps in a row" in str(exc), str(exc)
 
 
 def _damage(w: World, directory: str, how: str) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 
 import phalanx
 from behaviours import Behaviours
+from helpers import raises
 
 GROUPS = Behaviours()
 
@@ -138,12 +139,10 @@ def _(n: int) -> None:
 @GROUPS.behaviour("a-root-outside-the-group-is-refused-naming-the-group")
 def _(n: int) -> None:
     g = _my_parity_group(n)
-    try:
+    with raises(phalanx.InvalidArgumentError, "a root past the group's size was accepted") as raised:
         phalanx.broadcast(np.ones(1), root=g.size, group=g)
-    except phalanx.InvalidArgumentError as exc:
-        assert "not a rank of this group" in str(exc) and f"0..{g.size - 1}" in str(exc), str(exc)
-    else:
-        raise AssertionError("a root past the group's size was accepted")
+    exc = raised.value
+    assert "not a rank of this group" in str(exc) and f"0..{g.size - 1}" in str(exc), str(exc)
 
 
 @GROUPS.behaviour("a-non-member-call-raises-naming-the-call-the-group-and-this-rank")
@@ -155,15 +154,13 @@ def _(n: int) -> None:
     outside = made[r]
     assert not outside.member and outside.rank is None
     for call, args in (("allreduce", (1,)), ("barrier", ()), ("iallreduce", (np.ones(1),))):
-        try:
+        with raises(phalanx.NotInGroupError, f"{call} on a group without this rank did not raise") as raised:
             getattr(phalanx, call)(*args, group=outside)
-        except phalanx.NotInGroupError as exc:
-            text = str(exc)
-            assert isinstance(exc, phalanx.UsageError)
-            assert f"phalanx.{call}(group=" in text and f"world rank {r}" in text, text
-            assert str(list(outside.ranks)) in text and "if group.member" in text, text
-        else:
-            raise AssertionError(f"{call} on a group without this rank did not raise")
+        exc = raised.value
+        text = str(exc)
+        assert isinstance(exc, phalanx.UsageError)
+        assert f"phalanx.{call}(group=" in text and f"world rank {r}" in text, text
+        assert str(list(outside.ranks)) in text and "if group.member" in text, text
 
 
 @GROUPS.behaviour("a-mismatch-inside-a-group-raises-on-its-members-only-naming-world-ranks")
@@ -172,14 +169,12 @@ def _(n: int) -> None:
     g = phalanx.new_group(ranks)
     if g.member and g.size > 1:
         shape = 3 if g.rank == g.size - 1 else 2
-        try:
+        with raises(phalanx.CollectiveMismatchError, "the mismatch was not caught") as raised:
             phalanx.allreduce(np.ones(shape), group=g)
-        except phalanx.CollectiveMismatchError as exc:
-            text = str(exc)
-            assert f"in group {ranks}" in text and "buffer differs" in text, text
-            assert f"group rank {g.size - 1} = world rank {ranks[-1]}" in text, text
-        else:
-            raise AssertionError("the mismatch was not caught")
+        exc = raised.value
+        text = str(exc)
+        assert f"in group {ranks}" in text and "buffer differs" in text, text
+        assert f"group rank {g.size - 1} = world rank {ranks[-1]}" in text, text
         assert phalanx.allreduce(1, group=g) == g.size, "the group is usable after a mismatch"
     assert phalanx.allreduce(1) == n, "the non-members were never involved; the world lines up"
 
@@ -188,24 +183,20 @@ def _(n: int) -> None:
 def _(n: int) -> None:
     if n == 1:
         return
-    try:
+    with raises(phalanx.CollectiveMismatchError, "different ranks lists made a group") as raised:
         phalanx.new_group([0] if phalanx.rank() == 0 else [0, 1])
-    except phalanx.CollectiveMismatchError as exc:
-        assert "passed different groups" in str(exc) and "rank 0: phalanx.new_group([0])" in str(exc), str(exc)
-    else:
-        raise AssertionError("different ranks lists made a group")
+    exc = raised.value
+    assert "passed different groups" in str(exc) and "rank 0: phalanx.new_group([0])" in str(exc), str(exc)
     assert phalanx.allreduce(1) == n
 
 
 @GROUPS.behaviour("invalid-ranks-raise-on-every-rank-and-the-world-stays-usable")
 def _(n: int) -> None:
     for bad in ([n], [], [0, 0], "01", [True]):
-        try:
+        with raises(phalanx.InvalidArgumentError, f"new_group({bad!r}) was accepted") as raised:
             phalanx.new_group(bad)
-        except phalanx.InvalidArgumentError as exc:
-            assert "phalanx.new_group(ranks=" in str(exc), str(exc)
-        else:
-            raise AssertionError(f"new_group({bad!r}) was accepted")
+        exc = raised.value
+        assert "phalanx.new_group(ranks=" in str(exc), str(exc)
     assert phalanx.allreduce(1) == n
 
 
@@ -215,18 +206,14 @@ def _(n: int) -> None:
     assert phalanx.allreduce(1, group=g) == n
     phalanx.destroy_group(g)
     phalanx.destroy_group(g)
-    try:
+    with raises(phalanx.UsageError, "a destroyed group was usable") as raised:
         phalanx.allreduce(1, group=g)
-    except phalanx.UsageError as exc:
-        assert "destroyed" in str(exc) and "phalanx.new_group" in str(exc), str(exc)
-    else:
-        raise AssertionError("a destroyed group was usable")
-    try:
+    exc = raised.value
+    assert "destroyed" in str(exc) and "phalanx.new_group" in str(exc), str(exc)
+    with raises(phalanx.InvalidArgumentError, "the world's own group was destroyed") as raised:
         phalanx.destroy_group(phalanx.world_group())
-    except phalanx.InvalidArgumentError as exc:
-        assert "phalanx.shutdown()" in str(exc), str(exc)
-    else:
-        raise AssertionError("the world's own group was destroyed")
+    exc = raised.value
+    assert "phalanx.shutdown()" in str(exc), str(exc)
     assert phalanx.allreduce(1) == n
 
 
@@ -290,13 +277,10 @@ def member_never_comes() -> None:
         time.sleep(40)  # the missing member (and any non-member) is busy elsewhere
         return
     start = time.monotonic()
-    try:
+    with raises(phalanx.CollectiveTimeoutError, "the group's allreduce completed without its member") as caught:
         phalanx.allreduce(np.ones(4), group=g)
-    except phalanx.CollectiveTimeoutError as exc:
-        raised = time.monotonic() - start
-        error = exc
-    else:
-        raise AssertionError("the group's allreduce completed without its member")
+    raised = time.monotonic() - start
+    error = caught.value
     try:
         phalanx.allreduce(1)
     except phalanx.WorldBrokenError:

@@ -14,6 +14,7 @@ import torch
 import phalanx
 import phalanx.horovod.torch as hvd
 from behaviours import Behaviours
+from helpers import raises
 from phalanx.horovod.common.exceptions import (
     DuplicateNameError,
     HorovodInternalError,
@@ -52,11 +53,8 @@ def _(r: int, n: int) -> None:
     if name == "mpi":
         assert hvd.mpi_threads_supported() is True
     else:
-        try:
+        with raises(NotImplementedError, "mpi_threads_supported() off MPI did not raise"):
             hvd.mpi_threads_supported()
-            raise AssertionError("mpi_threads_supported() off MPI did not raise")
-        except NotImplementedError:
-            pass
 
 
 @OPS.behaviour("allreduce-averages-by-default-and-sums-mins-maxes-multiplies-with-op")
@@ -92,11 +90,8 @@ def _(r: int, n: int) -> None:
         _close(hvd.allreduce(_data(r), average=False), _all(n).sum(0), "average=False")
         _close(hvd.allreduce(_data(r), average=True), _all(n).mean(0), "average=True")
     assert any(issubclass(w.category, DeprecationWarning) for w in caught)
-    try:
+    with raises(ValueError, "op with average did not raise"):
         hvd.allreduce(_data(r), average=True, op=hvd.Sum)
-        raise AssertionError("op with average did not raise")
-    except ValueError:
-        pass
 
 
 @OPS.behaviour("in-place-allreduce-and-broadcast-write-the-input")
@@ -157,11 +152,8 @@ def _(r: int, n: int) -> None:
                f"Sum {rows} rows")
         _close(hvd.reducescatter(_data(r, shape=(rows, 2))), every.mean(0)[start:start + mine],
                f"Average {rows} rows")
-    try:
+    with raises(ValueError, "reducescatter(op=Max) did not raise"):
         hvd.reducescatter(_data(r), op=hvd.Max)
-        raise AssertionError("reducescatter(op=Max) did not raise")
-    except ValueError:
-        pass
 
 
 @OPS.behaviour("grouped-allreduce-allgather-reducescatter-match-one-by-one")
@@ -172,7 +164,11 @@ def _(r: int, n: int) -> None:
         assert g.dtype == q.dtype
         _close(g, np.stack([_data(p, shape=tuple(q.shape), dtype=q.dtype).numpy() for p in range(n)]).sum(0),
                "grouped")
-    assert hvd.grouped_allreduce_(xs, op=hvd.Max) is not None
+    done = hvd.grouped_allreduce_(xs, op=hvd.Max)
+    assert len(done) == len(xs) and all(d is q for d, q in zip(done, xs, strict=True)), "in place: returns tensors"
+    for q in xs:
+        _close(q, np.stack([_data(p, shape=tuple(q.shape), dtype=q.dtype).numpy() for p in range(n)]).max(0),
+               "grouped_allreduce_ Max")
     gathered = hvd.grouped_allgather([_data(r, shape=(r + 1, 2)), _data(r)])
     _close(gathered[1], np.concatenate(list(_all(n))), "grouped_allgather")
     scattered = hvd.grouped_reducescatter([_data(r, shape=(n, 2))], op=hvd.Sum)
@@ -202,11 +198,10 @@ def _(r: int, n: int) -> None:
 @OPS.behaviour("duplicate-name-in-flight-raises-horovods-value-error")
 def _(r: int, n: int) -> None:
     h = hvd.allreduce_async(_data(r), name="dup")
-    try:
+    with raises(DuplicateNameError, "a duplicate name in flight did not raise") as raised:
         hvd.allreduce_async(_data(r), name="dup")
-        raise AssertionError("a duplicate name in flight did not raise")
-    except DuplicateNameError as exc:
-        assert isinstance(exc, ValueError) and "dup" in str(exc)
+    exc = raised.value
+    assert isinstance(exc, ValueError) and "dup" in str(exc)
     hvd.synchronize(h)
     hvd.synchronize(hvd.allreduce_async(_data(r), name="dup"))  # free again once synchronized
 
@@ -216,11 +211,10 @@ def _(r: int, n: int) -> None:
     for bad, kind in ((lambda: hvd.allreduce(_data(r), op=42), ValueError),
                       (lambda: hvd.allreduce([1.0]), TypeError),
                       (lambda: hvd.alltoall(_data(r), splits=[1] * (n + 1)), ValueError)):
-        try:
+        with raises(phalanx.PhalanxError, "no error") as raised:
             bad()
-            raise AssertionError("no error")
-        except phalanx.PhalanxError as exc:
-            assert isinstance(exc, kind) and "hvd." in str(exc), exc
+        exc = raised.value
+        assert isinstance(exc, kind) and "hvd." in str(exc), exc
 
 
 @OPS.behaviour("mismatched-shapes-raise-a-mismatch-error-horovod-users-catch-on-every-rank")
@@ -231,12 +225,11 @@ def _(r: int, n: int) -> None:
                  lambda: hvd.allgather(_data(r, shape=(2, 1 + r))),
                  lambda: hvd.reducescatter(_data(r, shape=(n + 1 + r, 2))),
                  lambda: hvd.allreduce(_data(r), name=f"name-{r}")):
-        try:
+        with raises(HorovodMismatchError, "the mismatch was not raised") as raised:
             call()
-            raise AssertionError("the mismatch was not raised")
-        except HorovodMismatchError as exc:
-            assert isinstance(exc, phalanx.CollectiveMismatchError) and isinstance(exc, HorovodInternalError)
-            assert isinstance(exc, RuntimeError) and str(exc).startswith("hvd.")
+        exc = raised.value
+        assert isinstance(exc, phalanx.CollectiveMismatchError) and isinstance(exc, HorovodInternalError)
+        assert isinstance(exc, RuntimeError) and str(exc).startswith("hvd.")
     _close(hvd.allreduce(_data(r), op=hvd.Sum), _all(n).sum(0), "usable after the mismatches")
 
 
@@ -264,11 +257,10 @@ def _(r: int, n: int) -> None:
 def _(r: int, n: int) -> None:
     x = _data(r, shape=(5,))
     if n & (n - 1):
-        try:
+        with raises(HorovodUnsupportedError, "Adasum on a non-power-of-two size did not raise") as raised:
             hvd.allreduce(x, op=hvd.Adasum)
-            raise AssertionError("Adasum on a non-power-of-two size did not raise")
-        except HorovodUnsupportedError as exc:
-            assert isinstance(exc, NotImplementedError)
+        exc = raised.value
+        assert isinstance(exc, NotImplementedError)
         return
     vs = [v.astype(np.float64) for v in _all(n, shape=(5,))]
     while len(vs) > 1:
@@ -316,11 +308,10 @@ def _(r: int, n: int) -> None:
         _close(hvd.allreduce(_data(r), op=hvd.Sum, name="sum"), every.sum(0), "Sum")
         h = hvd.allreduce_async(_data(r), op=hvd.Sum)
         _close(hvd.synchronize(h), every.sum(0), "async")
-        try:
+        with raises(HorovodJoinedError, "allgather while a rank is joined did not raise") as raised:
             hvd.allgather(_data(r))
-            raise AssertionError("allgather while a rank is joined did not raise")
-        except HorovodJoinedError as exc:
-            assert isinstance(exc, HorovodInternalError) and f"[{last}]" in str(exc)
+        exc = raised.value
+        assert isinstance(exc, HorovodInternalError) and f"[{last}]" in str(exc)
         returned = hvd.join()
     # Ranks 0..n-2 join in the same exchange, after rank n-1: the highest of them is the last.
     assert returned == n - 2, f"join returned {returned}"

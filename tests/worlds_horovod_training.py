@@ -12,6 +12,7 @@ import torch
 import phalanx
 import phalanx.horovod.torch as hvd
 from behaviours import Behaviours
+from helpers import raises
 from phalanx.horovod.torch import _ops
 
 TRAINING = Behaviours()
@@ -152,13 +153,11 @@ def _(r: int, n: int) -> None:
     if n == 1:  # Horovod registers no hooks in a job of one rank: nothing is pending
         opt.zero_grad()
         return
-    try:
+    with raises(AssertionError, "zero_grad() after backward did not raise") as raised:
         opt.zero_grad()
-    except AssertionError as exc:
-        assert isinstance(exc, phalanx.UsageError), type(exc).__mro__
-        assert "zero_grad() was called after loss.backward() but before optimizer.step()" in str(exc), exc
-    else:
-        raise AssertionError("zero_grad() after backward did not raise")
+    exc = raised.value
+    assert isinstance(exc, phalanx.UsageError), type(exc).__mro__
+    assert "zero_grad() was called after loss.backward() but before optimizer.step()" in str(exc), exc
     opt.step()
     opt.zero_grad()  # fine after step()
 
@@ -170,12 +169,10 @@ def _(r: int, n: int) -> None:
     p.sum().backward()
     p.sum().backward()
     if n > 1:
-        try:
+        with raises(AssertionError, "a third backward pass with backward_passes_per_step=2 did not raise") as raised:
             p.sum().backward()
-        except AssertionError as exc:
-            assert "more than backward_passes_per_step times" in str(exc), exc
-        else:
-            raise AssertionError("a third backward pass with backward_passes_per_step=2 did not raise")
+        exc = raised.value
+        assert "more than backward_passes_per_step times" in str(exc), exc
     opt.step()  # two passes accumulated and averaged (plus, on several ranks, the refused third one's 1)
     assert torch.equal(p.grad, torch.full((2,), 2.0 if n == 1 else 3.0)), p.grad
     opt.zero_grad()
@@ -191,20 +188,14 @@ def _(r: int, n: int) -> None:
         "were not named": params[:-1],
     }
     for text, named in cases.items():
-        try:
+        with raises(ValueError, f"no error for {text!r}") as raised:
             hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named)
-        except ValueError as exc:
-            assert isinstance(exc, phalanx.InvalidArgumentError) and text in str(exc), (text, str(exc))
-        else:
-            raise AssertionError(f"no error for {text!r}")
+        exc = raised.value
+        assert isinstance(exc, phalanx.InvalidArgumentError) and text in str(exc), (text, str(exc))
     bad_predivide = {"gradient_predivide_factor": 2.0, "op": _op("Sum")}
     for kwargs in (bad_predivide, {"groups": -1}, {"backward_passes_per_step": 0}):
-        try:
+        with raises(ValueError, f"no error for {kwargs}"):
             hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
-        except ValueError:
-            pass
-        else:
-            raise AssertionError(f"no error for {kwargs}")
 
 
 @TRAINING.behaviour("compression-keeps-horovods-interface-and-a-compressor-of-ones-own-is-refused")
@@ -218,12 +209,10 @@ def _(r: int, n: int) -> None:
     class Mine(hvd.Compressor):
         pass
 
-    try:
+    with raises(TypeError, "a compressor of one's own was accepted") as raised:
         hvd.DistributedOptimizer(torch.optim.SGD(_model().parameters(), lr=0.1), compression=Mine)
-    except TypeError as exc:
-        assert "Mine" in str(exc) and "Compression.fp16" in str(exc), exc
-    else:
-        raise AssertionError("a compressor of one's own was accepted")
+    exc = raised.value
+    assert "Mine" in str(exc) and "Compression.fp16" in str(exc), exc
 
 
 @TRAINING.behaviour("broadcast-parameters-takes-a-state-dict-or-named-parameters-from-the-root")
@@ -238,12 +227,10 @@ def _(r: int, n: int) -> None:
     hvd.broadcast_parameters(other.named_parameters(), root_rank=0)
     for got, want in zip(other.parameters(), _model(seed=20).parameters(), strict=True):
         assert torch.equal(got, want)
-    try:
+    with raises(ValueError, "params=3 was accepted") as raised:
         hvd.broadcast_parameters(3, root_rank=0)
-    except ValueError as exc:
-        assert "invalid params of type" in str(exc), exc
-    else:
-        raise AssertionError("params=3 was accepted")
+    exc = raised.value
+    assert "invalid params of type" in str(exc), exc
 
 
 @TRAINING.behaviour("broadcast-optimizer-state-creates-empty-state-and-takes-roots-options")
@@ -259,12 +246,10 @@ def _(r: int, n: int) -> None:
     plain = torch.optim.SGD(_model().parameters(), lr=0.1 * (r + 1), momentum=0.5)
     hvd.broadcast_optimizer_state(plain, root_rank=0)
     assert plain.param_groups[0]["lr"] == 0.1 and all("momentum_buffer" in s for s in plain.state.values())
-    try:
+    with raises(ValueError, "LBFGS was accepted") as raised:
         hvd.broadcast_optimizer_state(torch.optim.LBFGS(_model().parameters()), root_rank=0)
-    except ValueError as exc:
-        assert "LBFGS" in str(exc)
-    else:
-        raise AssertionError("LBFGS was accepted")
+    exc = raised.value
+    assert "LBFGS" in str(exc)
 
 
 @TRAINING.behaviour("broadcast-object-and-allgather-object-move-python-objects")
@@ -303,12 +288,10 @@ def _(r: int, n: int) -> None:
         assert torch.equal(p.detach(), -grad)
         return
     if n & (n - 1):  # not a power of two: refused, as in Horovod
-        try:
+        with raises(phalanx.PhalanxError, f"Adasum on {n} ranks was accepted") as raised:
             opt.step()
-        except phalanx.PhalanxError as exc:
-            assert "Adasum" in str(exc) and "power-of-two" in str(exc), exc
-        else:
-            raise AssertionError(f"Adasum on {n} ranks was accepted")
+        exc = raised.value
+        assert "Adasum" in str(exc) and "power-of-two" in str(exc), exc
         return
     opt.step()
     if n == 2:  # the deltas are -g0, -g1: Adasum(a, b) = (1 - a.b/2|a|^2) a + (1 - a.b/2|b|^2) b
@@ -399,13 +382,9 @@ def _(r: int, n: int) -> None:
         assert hvd.join() == n - 1
         return
     before = [p.detach().clone() for p in model.parameters()]
-    try:
+    with raises(phalanx.CollectiveMismatchError, "a gradient reduction ran while a rank was joined"):
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-    except phalanx.CollectiveMismatchError:
-        pass
-    else:
-        raise AssertionError("a gradient reduction ran while a rank was joined")
     for p, q in zip(model.parameters(), before, strict=True):  # no gradient moved into the weights
         assert torch.equal(p.detach(), q)
     opt.zero_grad()

@@ -14,6 +14,7 @@ import numpy as np
 
 import phalanx
 from behaviours import Behaviours
+from helpers import raises
 
 JAX = Behaviours()
 GLOBAL_BATCH = 12  # splits into 1, 2 and 3 equal shards
@@ -125,12 +126,10 @@ def _(r: int, n: int) -> None:
         "structure": {"w": jnp.ones(3), **({"extra": jnp.ones(1)} if r == 1 else {})},
     }
     for what, tree in cases.items():
-        try:
+        with raises(phalanx.CollectiveMismatchError, f"a {what} mismatch was not caught") as raised:
             phalanx.synchronize(tree)
-        except phalanx.CollectiveMismatchError as exc:
-            assert "obj[" in str(exc), f"{what}: {exc}"
-        else:
-            raise AssertionError(f"a {what} mismatch was not caught")
+        exc = raised.value
+        assert "obj[" in str(exc), f"{what}: {exc}"
     assert phalanx.allreduce(1) == n, "the world is usable after the mismatches"
 
 
@@ -143,12 +142,10 @@ def _(r: int, n: int) -> None:
     np.testing.assert_allclose(np.asarray(out["g"]), [(n - 1) / 2] * 2)
     if n == 1:
         return
-    try:
+    with raises(phalanx.CollectiveMismatchError, "a shape mismatch was not caught") as raised:
         phalanx.allreduce_gradients({"g": jnp.ones((2, 2 + (r == 1)))})
-    except phalanx.CollectiveMismatchError as exc:
-        assert "['g']" in str(exc) and "float32[2, 3]" in str(exc), str(exc)
-    else:
-        raise AssertionError("a shape mismatch was not caught")
+    exc = raised.value
+    assert "['g']" in str(exc) and "float32[2, 3]" in str(exc), str(exc)
     assert phalanx.allreduce(1) == n
 
 
@@ -301,12 +298,10 @@ def _(r: int, n: int) -> None:
     if n == 1:
         return
     tree = {"a": jnp.ones(4), "b": jnp.ones((2, 2 + (r == 1)))}  # sizes differ too: last, it may stall
-    try:
+    with raises(Exception, "a shape mismatch inside jit was not caught") as raised:  # XLA wraps the callback's error
         jax.block_until_ready(jax.jit(px.allreduce_gradients)(tree))
-    except Exception as exc:  # XLA wraps what the callback raised
-        assert "CollectiveMismatchError" in str(exc) and "['b']" in str(exc), str(exc)[-800:]
-    else:
-        raise AssertionError("a shape mismatch inside jit was not caught")
+    exc = raised.value
+    assert "CollectiveMismatchError" in str(exc) and "['b']" in str(exc), str(exc)[-800:]
 
 
 def jax_world() -> dict[str, Any]:

@@ -15,6 +15,7 @@ import torch
 import phalanx
 import phalanx.torch as pt
 from behaviours import Behaviours
+from helpers import raises
 
 POWERSGD = Behaviours()
 
@@ -229,12 +230,10 @@ def _() -> None:
                                                                        strict=True))
     other = pt.PowerSGD(rank=3)
     pt.DataParallel(_mlp(), compression=other)
-    try:
+    with raises(phalanx.InvalidArgumentError, "a state of another layout was loaded") as raised:
         other.load_state_dict(saved)
-    except phalanx.InvalidArgumentError as exc:
-        assert "load_state_dict" in str(exc) and "same model, rank" in str(exc), exc
-    else:
-        raise AssertionError("a state of another layout was loaded")
+    exc = raised.value
+    assert "load_state_dict" in str(exc) and "same model, rank" in str(exc), exc
 
 
 @POWERSGD.behaviour("bad-arguments-raise-naming-the-call")
@@ -244,26 +243,20 @@ def _() -> None:
              ({"min_compression_rate": -1}, "min_compression_rate=-1"), ({"seed": "x"}, "seed='x'"),
              ({"error_feedback": 1}, "error_feedback=1")]
     for kwargs, text in cases:
-        try:
+        with raises(phalanx.InvalidArgumentError, f"PowerSGD({kwargs}) was accepted") as raised:
             pt.PowerSGD(**kwargs)
-        except phalanx.InvalidArgumentError as exc:
-            assert "phalanx.torch.PowerSGD(" in str(exc) and text in str(exc), exc
-        else:
-            raise AssertionError(f"PowerSGD({kwargs}) was accepted")
-    try:
+        exc = raised.value
+        assert "phalanx.torch.PowerSGD(" in str(exc) and text in str(exc), exc
+    with raises(phalanx.InvalidArgumentError, "an unknown compression was accepted") as raised:
         pt.DataParallel(_mlp(), compression="powersgd2")
-    except phalanx.InvalidArgumentError as exc:
-        assert "phalanx.torch.DataParallel(compression='powersgd2')" in str(exc) and "'powersgd'" in str(exc), exc
-    else:
-        raise AssertionError("an unknown compression was accepted")
+    exc = raised.value
+    assert "phalanx.torch.DataParallel(compression='powersgd2')" in str(exc) and "'powersgd'" in str(exc), exc
     shared = pt.PowerSGD()
     first = pt.DataParallel(_mlp(), compression=shared)
-    try:
+    with raises(phalanx.UsageError, "one PowerSGD object was accepted by two live wrappers") as raised:
         pt.DataParallel(_mlp(1), compression=shared)
-    except phalanx.UsageError as exc:
-        assert "already compresses" in str(exc) and "own phalanx.torch.PowerSGD" in str(exc), exc
-    else:
-        raise AssertionError("one PowerSGD object was accepted by two live wrappers")
+    exc = raised.value
+    assert "already compresses" in str(exc) and "own phalanx.torch.PowerSGD" in str(exc), exc
     first.close()
     pt.DataParallel(_mlp(1), compression=shared).close()  # free again once the first wrapper is closed
 

@@ -12,6 +12,7 @@ import numpy as np
 
 import phalanx
 from behaviours import Behaviours
+from helpers import raises
 
 STEPS = Behaviours()
 
@@ -20,17 +21,15 @@ STEPS = Behaviours()
 def _() -> None:
     r, n = phalanx.rank(), phalanx.size()
     done = []
-    try:
+    with raises(phalanx.CollectiveMismatchError, f"rank {r}: the skipped step was not caught (steps done: {done})") as raised:
         for s in range(5):
             if r == 1 and s == 2:
                 continue  # rank 1 skips step 2's allreduce and carries on
             total = phalanx.allreduce(np.full(2, float(s)), step=s)
             assert np.array_equal(total, np.full(2, float(s * n))), f"step {s} mixed with another step: {total}"
             done.append(s)
-    except phalanx.CollectiveMismatchError as exc:
-        text = str(exc)
-    else:
-        raise AssertionError(f"rank {r}: the skipped step was not caught (steps done: {done})")
+    exc = raised.value
+    text = str(exc)
     # Every rank raises at its first mismatched call: step 2 on the others, step 3 on rank 1.
     assert done == [0, 1], f"rank {r} completed steps {done} before the error"
     assert "step differs" in text, text
@@ -45,15 +44,13 @@ def _() -> None:
 def _() -> None:
     r, n = phalanx.rank(), phalanx.size()
     start = phalanx.allreduce(0)  # noqa: F841 - lines up the call counters of every rank
-    try:
+    with raises(phalanx.CollectiveMismatchError, "the skipped call was never caught") as raised:
         for s in range(4):
             if not (r == 1 and s == 2):
                 phalanx.allreduce(np.ones(2))
         phalanx.barrier()
-    except phalanx.CollectiveMismatchError as exc:
-        text = str(exc)
-    else:
-        raise AssertionError("the skipped call was never caught")
+    exc = raised.value
+    text = str(exc)
     assert "call differs" in text, text
     assert "Where each rank is:" in text and "rank 1 at barrier (call #" in text, text
     assert "at allreduce (call #" in text, text
@@ -123,13 +120,10 @@ def store_host_stops() -> None:
         os.kill(os.getpid(), signal.SIGSTOP)  # unreachable from here on, like a host behind a cut link
         time.sleep(60)
     start = time.monotonic()
-    try:
+    with raises(phalanx.CollectiveTimeoutError, "the allreduce with a stopped rank completed") as caught:
         phalanx.allreduce(np.ones(4))
-    except phalanx.CollectiveTimeoutError as exc:
-        raised = time.monotonic() - start
-        error = exc
-    else:
-        raise AssertionError("the allreduce with a stopped rank completed")
+    raised = time.monotonic() - start
+    error = caught.value
     start = time.monotonic()
     phalanx.shutdown()
     closed = time.monotonic() - start
@@ -164,18 +158,13 @@ def handles_after_a_timeout() -> None:
         return
     handle = phalanx.iallreduce(np.ones(4))
     start = time.monotonic()
-    try:
+    with raises(phalanx.CollectiveTimeoutError, "a barrier with a silent peer completed") as caught:
         phalanx.barrier()
-    except phalanx.CollectiveTimeoutError as exc:
-        raised, error = time.monotonic() - start, exc
-    else:
-        raise AssertionError("a barrier with a silent peer completed")
+    raised, error = time.monotonic() - start, caught.value
     for _ in range(2):
-        try:
+        with raises(phalanx.PhalanxError, "wait() on a handle whose peer never came completed") as again:
             handle.wait()
-        except phalanx.PhalanxError as exc:
-            assert exc is error, f"wait() raised {exc!r}, not the timeout {error!r}"
-        else:
-            raise AssertionError("wait() on a handle whose peer never came completed")
+        exc = again.value
+        assert exc is error, f"wait() raised {exc!r}, not the timeout {error!r}"
     raise RuntimeError(f"rank 0: TIMES raised={raised:.2f} | every wait() raised the same "
                        f"{type(error).__name__}: {error}")

@@ -19,6 +19,7 @@ from typing import Any
 
 import phalanx
 from behaviours import Behaviours
+from helpers import raises
 
 STEPS = 10
 PER_REPLICA = 3
@@ -210,12 +211,10 @@ def _mismatches() -> None:
     for m in replicas:
         for p in m.parameters():
             p.grad = torch.ones_like(p)
-    try:
+    with raises(phalanx.CollectiveMismatchError, f"rank {r}: unequal replica counts were not detected") as raised:
         replicas.allreduce_gradients()
-    except phalanx.CollectiveMismatchError as exc:
-        assert "different numbers of replicas" in str(exc) and "between 1 and 2" in str(exc), str(exc)
-    else:
-        raise AssertionError(f"rank {r}: unequal replica counts were not detected")
+    exc = raised.value
+    assert "different numbers of replicas" in str(exc) and "between 1 and 2" in str(exc), str(exc)
     assert all(torch.equal(p.grad, torch.ones_like(p)) for m in replicas for p in m.parameters()), \
         "the gradients changed although the check failed"
     torch.manual_seed(1)
@@ -225,12 +224,10 @@ def _mismatches() -> None:
     for m in replicas:
         for p in m.parameters():
             p.grad = torch.ones_like(p)
-    try:
+    with raises(phalanx.CollectiveMismatchError, f"rank {r}: different models were not detected") as raised:
         replicas.allreduce_gradients()
-    except phalanx.CollectiveMismatchError as exc:
-        assert "parameter #2" in str(exc), str(exc)
-    else:
-        raise AssertionError(f"rank {r}: different models were not detected")
+    exc = raised.value
+    assert "parameter #2" in str(exc), str(exc)
     phalanx.barrier()  # the world is still usable
 
 

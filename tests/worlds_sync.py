@@ -16,6 +16,7 @@ import numpy as np
 
 import phalanx
 from behaviours import Behaviours
+from helpers import raises
 from sync_objects import check_training, equal, make_training, make_tree, synchronized_tree
 
 SYNC = Behaviours()
@@ -70,12 +71,13 @@ for _root, _root_of in _ROOTS.items():
 
 
 class _Counting:
-    """Counts the backend's data broadcasts and allreduces while installed."""
+    """Counts the backend's data broadcasts and allreduces, and the structure agreements, while installed."""
 
     def __init__(self) -> None:
         self.backend = phalanx.backend()
         self.broadcasts: list[tuple[str, int]] = []
         self.allreduces = 0
+        self.agreements = 0  # phalanx._sync's structure agreements (each one small allreduce)
 
     def __enter__(self) -> _Counting:
         b, real_broadcast, real_allreduce = self.backend, self.backend.broadcast, self.backend.allreduce
@@ -88,11 +90,22 @@ class _Counting:
             self.allreduces += 1
             return real_allreduce(x, op, inplace, timeout)
 
-        b.broadcast, b.allreduce = broadcast, allreduce
+        import phalanx._sync as sync
+
+        real_agree = self._real_agree = sync.agree
+
+        def agree(world: Any, call: str, value: Any, detail: Any = None) -> Any:
+            self.agreements += 1
+            return real_agree(world, call, value, detail)
+
+        b.broadcast, b.allreduce, sync.agree = broadcast, allreduce, agree
         return self
 
     def __exit__(self, *exc: object) -> None:
+        import phalanx._sync as sync
+
         del self.backend.broadcast, self.backend.allreduce
+        sync.agree = self._real_agree
 
 
 @contextlib.contextmanager
@@ -120,7 +133,7 @@ def _(r: int, n: int) -> None:
     with _Counting() as counted:
         phalanx.synchronize(model)
     assert len(counted.broadcasts) == (1 if n > 1 else 0), counted.broadcasts  # every dtype on the host
-    assert counted.allreduces == (1 if n > 1 else 0), "one structure check"
+    assert counted.allreduces == 0 and counted.agreements == (1 if n > 1 else 0), "one structure check"
     assert model.count.item() == 0 and model.seen.tolist() == [0, 0, 0]
     torch.manual_seed(0)
     reference = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(5)))
@@ -177,33 +190,27 @@ def _(r: int, n: int) -> None:
     import torch
 
     sparse = torch.eye(3).to_sparse()
-    try:
+    with raises(phalanx.UnsupportedArgumentError, "a sparse tensor must be refused") as raised:
         phalanx.synchronize({"ok": torch.ones(2), "sparse": sparse})
-    except phalanx.UnsupportedArgumentError as exc:
-        assert "obj['sparse']" in str(exc) and "to_dense" in str(exc), str(exc)
-    else:
-        raise AssertionError("a sparse tensor must be refused")
+    exc = raised.value
+    assert "obj['sparse']" in str(exc) and "to_dense" in str(exc), str(exc)
 
 
 @SYNC.behaviour("a-bad-root-is-refused")
 def _(r: int, n: int) -> None:
-    try:
+    with raises(ValueError, "a bad root must be refused") as raised:
         phalanx.synchronize(1, root=phalanx.size())
-    except ValueError as exc:
-        assert "root=" in str(exc)
-    else:
-        raise AssertionError("a bad root must be refused")
+    exc = raised.value
+    assert "root=" in str(exc)
 
 
 def _expect_mismatch(obj: Any, *needles: str, root: int = 0) -> str:
-    try:
+    with raises(phalanx.CollectiveMismatchError, f"no CollectiveMismatchError for {needles}") as raised:
         phalanx.synchronize(obj, root=root)
-    except phalanx.CollectiveMismatchError as exc:
-        text = str(exc)
-        for needle in needles:
-            assert needle in text, f"{needle!r} not in:\n{text}"
-        return text
-    raise AssertionError(f"no CollectiveMismatchError for {needles}")
+    text = str(raised.value)
+    for needle in needles:
+        assert needle in text, f"{needle!r} not in:\n{text}"
+    return text
 
 
 @MISMATCHES.behaviour("a-key-only-some-ranks-have-sends-nothing")

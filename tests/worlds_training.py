@@ -20,7 +20,7 @@ import numpy as np
 
 import phalanx
 from behaviours import Behaviours
-from helpers import raise_in_backward
+from helpers import raise_in_backward, raises
 
 STEPS = 10
 PER_RANK = 4
@@ -161,8 +161,8 @@ def run_case(case: dict[str, Any], compiled: str | None = None) -> None:
         group = opt.param_groups[0]
         assert group["lr"] == ref_opt.param_groups[0]["lr"] == group["initial_lr"] * 0.5 ** 3
     if case.get("compression"):  # 16-bit buckets on every backend (MPI: phalanx's own 16-bit sum)
-        engine = opt._engine if case["form"] == "opt" else net._engine
-        assert all(b.wire is not None for b in engine._buckets)
+        engine = opt.engine if case["form"] == "opt" else net.engine
+        assert all(b.wire is not None for b in engine.buckets)
     tol = COMPRESSED if case.get("compression") else TIGHT
     assert_close(model, ref, f"{case} on {n} ranks", tol)
 
@@ -315,18 +315,14 @@ def zero_grad_in_flight() -> None:
     model = nn.Sequential(nn.Linear(4, 4), BoomLayer(), nn.Linear(4, 4)).double()
     opt = pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), bucket_cap_mb=1e-6)
     assert len(opt._engine.bucket_sizes) == 4  # one bucket per parameter, launched as each is ready
-    try:
+    with raises(RuntimeError, "backward should have raised") as raised:
         model(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
-    except RuntimeError as exc:
-        assert "boom in backward" in str(exc)
-    else:
-        raise AssertionError("backward should have raised")
-    try:
+    exc = raised.value
+    assert "boom in backward" in str(exc)
+    with raises(phalanx.UsageError, "zero_grad() with reductions in flight must raise") as raised:
         opt.zero_grad()
-    except phalanx.UsageError as exc:
-        assert "in flight" in str(exc) and "reduce_gradients()" in str(exc), exc
-    else:
-        raise AssertionError("zero_grad() with reductions in flight must raise")
+    exc = raised.value
+    assert "in flight" in str(exc) and "reduce_gradients()" in str(exc), exc
     opt.reduce_gradients()  # completes what the aborted backward launched (and the rest, as zeros)
     opt.zero_grad()
 
@@ -339,22 +335,18 @@ def bad_arguments() -> None:
     attempts = [("DistributedOptimizer", bad) for bad in (*shared, {"backward_passes_per_step": 0})]
     attempts += [("DataParallel", bad) for bad in shared]
     for wrapper, bad in attempts:
-        try:
+        with raises(phalanx.InvalidArgumentError, f"phalanx.torch.{wrapper}(**{bad}) was accepted") as raised:
             if wrapper == "DataParallel":
                 pt.DataParallel(model, **bad)
             else:
                 pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **bad)
-        except phalanx.InvalidArgumentError as exc:
-            assert f"phalanx.torch.{wrapper}" in str(exc) and repr(next(iter(bad.values()))) in str(exc), exc
-        else:
-            raise AssertionError(f"phalanx.torch.{wrapper}(**{bad}) was accepted")
+        exc = raised.value
+        assert f"phalanx.torch.{wrapper}" in str(exc) and repr(next(iter(bad.values()))) in str(exc), exc
     opt = pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    try:
+    with raises(phalanx.InvalidArgumentError, "wrapping a DistributedOptimizer again was accepted") as raised:
         pt.DistributedOptimizer(opt)
-    except phalanx.InvalidArgumentError as exc:
-        assert "plain torch optimizer" in str(exc), exc
-    else:
-        raise AssertionError("wrapping a DistributedOptimizer again was accepted")
+    exc = raised.value
+    assert "plain torch optimizer" in str(exc), exc
     opt.close()
 
 
@@ -382,12 +374,10 @@ def mismatched_models() -> None:
         for wrap in (lambda m: pt.DataParallel(m),
                      lambda m: pt.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
                                                        named_parameters=m.named_parameters())):
-            try:
+            with raises(phalanx.CollectiveMismatchError, "different models must not be wrapped silently") as raised:
                 wrap(model)
-            except phalanx.CollectiveMismatchError as exc:
-                assert expect in str(exc) and "rank 1" in str(exc), exc
-            else:
-                raise AssertionError("different models must not be wrapped silently")
+            exc = raised.value
+            assert expect in str(exc) and "rank 1" in str(exc), exc
     assert phalanx.allreduce(1) == n  # the world is still usable
 
 

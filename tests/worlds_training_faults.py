@@ -19,6 +19,7 @@ from typing import Any
 
 import phalanx
 from behaviours import Behaviours
+from helpers import raises
 from worlds_training import TIGHT, _setup, assert_close, batch, make_optimizer, mlp, mse, piece
 
 FAULTS = Behaviours()        # every world
@@ -124,36 +125,30 @@ def _bad_arguments() -> None:
     for make in (lambda: pt.DistributedOptimizer(make_optimizer(torch, "sgd", model.parameters()),
                                                  nonfinite="warn"),
                  lambda: pt.DataParallel(model, nonfinite="warn")):
-        try:
+        with raises(phalanx.InvalidArgumentError, "nonfinite='warn' was accepted") as raised:
             make()
-        except phalanx.InvalidArgumentError as exc:
-            assert "nonfinite='warn'" in str(exc) and "'skip'" in str(exc), exc
-        else:
-            raise AssertionError("nonfinite='warn' was accepted")
+        exc = raised.value
+        assert "nonfinite='warn'" in str(exc) and "'skip'" in str(exc), exc
     opt = pt.DistributedOptimizer(make_optimizer(torch, "sgd", model.parameters()))
-    try:
+    with raises(phalanx.InvalidArgumentError, "step=1.5 was accepted") as raised:
         opt.step(step=1.5)
-    except phalanx.InvalidArgumentError as exc:
-        assert "step(step=1.5)" in str(exc), exc
-    else:
-        raise AssertionError("step=1.5 was accepted")
+    exc = raised.value
+    assert "step(step=1.5)" in str(exc), exc
     opt.close()
 
 
 def _expect_step_mismatch(what: str, run: Any, laggard: int, steps: tuple[int, int]) -> None:
     """``run()`` must raise the same CollectiveMismatchError on every rank, naming each rank's step."""
     started = time.perf_counter()
-    try:
+    with raises(phalanx.CollectiveMismatchError, f"{what}: mixing steps was not detected") as raised:
         run()
-    except phalanx.CollectiveMismatchError as exc:
-        elapsed = time.perf_counter() - started
-        text = str(exc)
-        ahead, behind = steps
-        assert "step differs" in text and f"rank {laggard}: " in text, text
-        assert f"step={behind}" in text and f"step={ahead}" in text, text
-        assert elapsed < 5, f"{what}: the error took {elapsed:.1f} s"
-    else:
-        raise AssertionError(f"{what}: mixing steps was not detected")
+    exc = raised.value
+    elapsed = time.perf_counter() - started
+    text = str(exc)
+    ahead, behind = steps
+    assert "step differs" in text and f"rank {laggard}: " in text, text
+    assert f"step={behind}" in text and f"step={ahead}" in text, text
+    assert elapsed < 5, f"{what}: the error took {elapsed:.1f} s"
     assert phalanx.allreduce(1) == phalanx.size(), "the world is still usable"
 
 

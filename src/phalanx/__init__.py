@@ -56,6 +56,7 @@ from ._groups import Group, destroy_group, new_group, world_group
 from ._nonblocking import Handle, iallreduce, ibroadcast
 from ._output import RankFilter, print, setup_logging
 from ._settings import settings
+from ._shutdown import shutdown
 from ._sync import synchronize
 from ._tracing import start_trace, stop_trace
 from ._world import (
@@ -66,7 +67,6 @@ from ._world import (
     local_rank,
     local_size,
     rank,
-    shutdown,
     size,
 )
 from .comm import Backend, BackendName, Op

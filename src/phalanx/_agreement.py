@@ -1,4 +1,10 @@
-"""What ranks say when a call's agreement fails: the mismatch, shutdown and timeout errors.
+"""The agreement of the ranks on a call, and what they say when it fails: mismatch, shutdown, timeout.
+
+:func:`agree` is the one agreement every check that is not a collective's own
+fingerprint uses (``synchronize``'s structure, the gradient wrappers' and the
+JAX reduction's structure, ``new_group``): a hash of a JSON value, one small
+allreduce (``Backend.agree``), and on a mismatch one exchange of descriptions,
+from which :func:`first_difference` names the first entry that differs.
 
 On a mismatch every rank reaches here together (the agreement failed on every
 rank alike), exchanges a JSON description of its call, and builds the same
@@ -9,15 +15,22 @@ its own: a peer (or the store) that cannot answer must not delay the error.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import threading
-from typing import Any
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from ._errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
 from .comm._base import Backend
 
-__all__ = ["call_site", "diagnose", "mismatch_error", "timeout_error", "where"]
+__all__ = ["MASK", "agree", "call_site", "diagnose", "first_difference", "mismatch_error", "timeout_error",
+           "where"]
+
+MASK = (1 << 62) - 1
+"""Signatures are 62-bit: a signature and its negation both fit in an int64 (``Backend.agree``)."""
 
 DIAGNOSIS_SLACK_S = 1.0  # on top of the grace: a diagnosis that takes longer is abandoned
 
@@ -95,6 +108,89 @@ def mismatch_error(call: str, rank: int, entries: list[dict[str, Any]]) -> Excep
         + "\n".join(lines) + f"\n{_positions(entries)}\n{_HINTS[field]}")
 
 
+class Agreeing(Protocol):
+    """What :func:`agree` uses of a :class:`phalanx._world.World` (or a group's)."""
+
+    rank: int
+    size: int
+    calls: int
+    timeout: float
+    backend: Backend
+    broken: str | None
+
+    def ready(self, call: str) -> None: ...
+    def guard(self, call: str) -> AbstractContextManager[Any]: ...
+    def describe(self, call: str, buf: Any, op: str | None, root: int) -> dict[str, Any]: ...
+    def allgather_json(self, call: str, value: Any) -> list[Any]: ...
+
+
+def agree(world: Agreeing, call: str, value: Any, detail: Callable[[], Any] | None = None) -> list[Any] | None:
+    """Whether every rank of ``world`` passed the same ``value``: None if so, else every rank's detail.
+
+    ``value`` (JSON-able) is hashed; the ranks compare the hashes in one small
+    allreduce (``Backend.agree``, the same exchange as a collective's
+    fingerprint, so a rank that is in another collective meanwhile pairs with
+    this one and both see a mismatch). Only on a mismatch the ranks exchange
+    ``detail()`` (default: ``value``) and every rank returns the same list, in
+    rank order, to build the same error from (:func:`first_difference` names
+    where the ranks differ). Counts as one call of ``world``.
+
+    Raises CollectiveMismatchError or RankFailedError when some rank is in
+    another collective call (or in ``shutdown()``), CollectiveTimeoutError when
+    a rank never comes, WorldBrokenError on a broken world.
+    """
+    world.ready(call)
+    world.calls += 1
+    if world.size == 1:
+        return None
+    text = json.dumps([call, value], separators=(",", ":"))
+    signature = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & MASK
+    with world.guard(call):
+        if world.backend.agree(signature, world.timeout):
+            return None
+    mine = {**world.describe(call, None, None, -1), "detail": value if detail is None else detail()}
+    entries = world.allgather_json(call, mine)
+    if any(e["call"] != call for e in entries):  # some rank is in another call: the calls' mismatch
+        error = mismatch_error(call, world.rank, entries)
+        if isinstance(error, RankFailedError):
+            world.broken = f"a peer called shutdown() during {call}"
+        raise error
+    return [e["detail"] for e in entries]
+
+
+def first_difference(tables: Sequence[Sequence[Any]], show: Callable[[int, Any], str], *,
+                     key: Callable[[Any], Any] | None = None, compare: Callable[[Any], Any] | None = None,
+                     who: str = "rank", labels: Sequence[Any] | None = None) -> tuple[Any, list[Any], str] | None:
+    """Where the lists of entries in ``tables`` first differ, and one line per list showing its entry there.
+
+    Entries are matched by position, or by name when ``key`` names each entry
+    (names in order of first appearance; a list without the name has None
+    there). ``compare`` picks what is compared of an entry (default: all of it).
+    Returns ``(position or name, each list's entry there, lines)``, one line
+    ``"  rank 1: <show(1, entry)>"`` per list (``who`` and ``labels`` replace
+    "rank" and the list's index), or None when no entry differs (the lists
+    may still hold the same named entries in another order).
+    """
+    def compared(entry: Any) -> str:
+        return json.dumps(None if entry is None else entry if compare is None else compare(entry), default=repr)
+
+    places: Sequence[Any]
+    if key is None:
+        places = range(max(map(len, tables), default=0))
+        at: Callable[[Any], list[Any]] = lambda i: [t[i] if i < len(t) else None for t in tables]  # noqa: E731
+    else:
+        named = [{key(e): e for e in t} for t in tables]
+        places = list(dict.fromkeys(key(e) for t in tables for e in t))
+        at = lambda name: [n.get(name) for n in named]  # noqa: E731
+    for place in places:
+        found = at(place)
+        if len({compared(e) for e in found}) > 1:
+            names = range(len(tables)) if labels is None else labels
+            return place, found, "\n".join(f"  {who} {name}: {show(r, e)}"
+                                           for r, (name, e) in enumerate(zip(names, found, strict=True)))
+    return None
+
+
 def diagnose(backend: Backend, call: str, index: int, grace: float) -> tuple[list[int], dict[int, str], str]:
     """``(missing ranks, {rank: where it waits}, note)`` from ``backend.diagnose``, which runs in a
     thread abandoned after ``grace`` + 1 s (the note then says so)."""
@@ -117,19 +213,39 @@ def diagnose(backend: Backend, call: str, index: int, grace: float) -> tuple[lis
     return missing, elsewhere, ""
 
 
-def timeout_error(backend: Backend, call: str, index: int, timeout: float) -> CollectiveTimeoutError:
-    """The error for call ``index`` (``call``) that waited ``timeout`` s, with the diagnosis."""
+def timeout_error(backend: Backend, call: str, index: int, timeout: float,
+                  members: Sequence[int] | None = None) -> CollectiveTimeoutError:
+    """The error for call ``index`` (``call``) that waited ``timeout`` s, with the diagnosis.
+
+    ``members``: on a group's backend, the world ranks of the group: the error
+    then speaks of the group and names each member by group and world rank
+    (and ``missing_ranks``/``elsewhere`` hold world ranks).
+    """
     grace = min(2.0, max(0.5, timeout / 4))
     missing, elsewhere, note = diagnose(backend, call, index, grace)
-    parts = [f"phalanx.{call} (call #{index} on rank {backend.rank}) timed out after "
-             f"{timeout:g} s waiting for the other ranks{note}."]
+    world = list(range(backend.size)) if members is None else list(members)  # rank -> world rank
+    if members is None:
+        scope, me, peers, they = "", f"on rank {backend.rank}", "ranks", "Ranks"
+        named, busy, every = str(missing), "", "Every rank must make the same collective calls"
+        ended = "This world cannot be used after a timeout."
+    else:
+        scope, peers, they = f" in group {world}", "members", "Members"
+        me = f"of the group, on world rank {world[backend.rank]} = group rank {backend.rank}"
+        named = (f"group ranks {missing} (world rank{'s' if len(missing) > 1 else ''} "
+                 f"{', '.join(str(world[m]) for m in missing)})")
+        busy = " or a collective of the world or another group"
+        every = "Every member must make the same collective calls on the group"
+        ended = "This group and its world cannot be used after a timeout."
+    parts = [f"phalanx.{call}{scope} (call #{index} {me}) timed out after {timeout:g} s waiting for "
+             f"the other {peers}{note}."]
     if missing:
-        parts.append(f"Ranks that never reached a phalanx call: {missing} (stuck computing, "
-                     "waiting in non-phalanx code, finished early, or cut off: a lost host or link).")
+        parts.append(f"{they} that never reached a phalanx call{' on this group' if scope else ''}: {named} "
+                     f"(stuck computing, waiting in non-phalanx code{busy}, finished early, or cut off: a "
+                     "lost host or link).")
     for r, place in sorted(elsewhere.items()):
-        parts.append(f"Rank {r} is waiting in {place} instead.")
-    parts.append("Every rank must make the same collective calls in the same order. If the wait "
-                 "is legitimate (e.g. rank 0 evaluates alone), raise the limit with "
-                 "`phalanx.init(timeout=...)` or PHALANX_TIMEOUT. This world cannot be used "
-                 "after a timeout.")
-    return CollectiveTimeoutError(" ".join(parts), missing_ranks=missing, elsewhere=elsewhere)
+        who = f"Rank {r}" if members is None else f"Group rank {r} (world rank {world[r]})"
+        parts.append(f"{who} is waiting in {place}{' on this group' if scope else ''} instead.")
+    parts.append(f"{every} in the same order. If the wait is legitimate (e.g. rank 0 evaluates alone), "
+                 f"raise the limit with `phalanx.init(timeout=...)` or PHALANX_TIMEOUT. {ended}")
+    return CollectiveTimeoutError(" ".join(parts), missing_ranks=[world[m] for m in missing],
+                                  elsewhere={world[r]: p for r, p in elsewhere.items()})

@@ -65,16 +65,12 @@ def record_failure(exc_type: type[BaseException], exc: BaseException, tb: Traceb
     if not job_dir and not remote:
         return
     rank = env_rank() if rank is None else rank
-    record = {
-        "rank": rank,
-        "time": time.time(),
-        "type": exc_type.__name__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
-        "host": socket.gethostname(),
-    }
+    message, trace = str(exc), "".join(traceback.format_exception(exc_type, exc, tb))
+    if remote:  # one line through mpiexec's stderr: kept short
+        message, trace = message[:1000], trace[-2000:]
+    record = {"rank": rank, "time": time.time(), "type": exc_type.__name__, "message": message,
+              "traceback": trace, "host": socket.gethostname()}
     if remote:
-        record.update(message=record["message"][:1000], traceback=record["traceback"][-2000:])
         send_job_file(f"failure-rank{rank}.json", json.dumps(record))
         return
     assert job_dir is not None

@@ -36,9 +36,24 @@ from ._arrays import UnsupportedArgumentError
 from ._collectives import allreduce
 from ._errors import InvalidArgumentError
 from ._groups import Group
-from ._pytrees import has_jax_leaves, reduce_jax_tree
 
-__all__ = ["allreduce_gradients"]
+__all__ = ["allreduce_gradients", "check_gradient_op", "has_jax_leaves", "pack_gradients", "unpack_gradients"]
+
+
+def check_gradient_op(call: str, op: Any, over: str = "ranks") -> None:
+    """Raise InvalidArgumentError naming ``call`` unless ``op`` is ``"avg"`` or ``"sum"``, how gradients
+    combine (``over``: what the mean is over, as the message says)."""
+    if op not in ("avg", "sum"):
+        raise InvalidArgumentError(f"phalanx.{call}(op={op!r}): use op='avg' (the mean over {over}, the "
+                                   "default) or op='sum'.")
+
+
+def has_jax_leaves(tree: Any) -> bool:
+    """Whether jax is loaded and ``tree`` is, or holds, a JAX array."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return False
+    return any(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(tree))
 
 
 def allreduce_gradients(model_or_grads: Any, op: str = "avg", *, group: Group | None = None) -> Any:
@@ -74,14 +89,14 @@ def allreduce_gradients(model_or_grads: Any, op: str = "avg", *, group: Group | 
     :func:`phalanx.allreduce` raises (CollectiveMismatchError when ranks pass
     different structures, CollectiveTimeoutError, RankFailedError).
     """
-    if op not in ("avg", "sum"):
-        raise InvalidArgumentError(f"phalanx.allreduce_gradients(op={op!r}): use op='avg' (the mean over "
-                                   "ranks, the default) or op='sum'.")
+    check_gradient_op("allreduce_gradients", op)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(model_or_grads, torch.nn.Module):
         _reduce_module(torch, model_or_grads, op, group)
         return model_or_grads
-    if has_jax_leaves(model_or_grads):  # JAX pytrees: new arrays back (phalanx._pytrees)
+    if has_jax_leaves(model_or_grads):  # JAX pytrees: new arrays back
+        from .jax._pytrees import reduce_jax_tree  # jax is loaded: the pytree holds its arrays
+
         return reduce_jax_tree(model_or_grads, op, group)
     if isinstance(model_or_grads, (np.ndarray, str, bytes)) or (
             torch is not None and isinstance(model_or_grads, torch.Tensor)):
@@ -132,28 +147,47 @@ def _reduce_module(torch: Any, model: Any, op: str, group: Group | None = None) 
     for p in params:
         groups.setdefault((p.dtype, p.device), []).append(p)
     with torch.no_grad():
-        for (dtype, device), members in groups.items():
-            numel = sum(p.numel() for p in members)
-            # The gradients, then one presence slot per parameter: 0 where this rank has no gradient.
-            flat = torch.empty(numel + len(members), dtype=dtype, device=device)
-            presence = flat[numel:]
-            presence.fill_(1)
-            offset = 0
-            for j, p in enumerate(members):
-                part = flat[offset:offset + p.numel()]
-                if p.grad is None:
-                    part.zero_()
-                    presence[j] = 0
-                else:
-                    part.copy_(p.grad.reshape(-1))
-                offset += p.numel()
+        for (dtype, _device), members in groups.items():
+            flat, missing = pack_gradients(torch, "allreduce_gradients", members, dtype)
             allreduce(flat, op=op, group=group)
-            seen = presence.tolist()
-            offset = 0
-            for j, p in enumerate(members):
-                part = flat[offset:offset + p.numel()].view(p.shape)
-                if p.grad is not None:
-                    p.grad.copy_(part)
-                elif seen[j] > 0:
-                    p.grad = part.clone()
-                offset += p.numel()
+            unpack_gradients(torch, flat, members, missing)
+
+
+def pack_gradients(torch: Any, call: str, params: list[Any], dtype: Any) -> tuple[Any, bool]:
+    """``params``' gradients in one flat buffer of ``dtype`` on their device, then one presence slot per
+    parameter (1 where it has a gradient); and whether one was missing (it counts as zeros).
+
+    Reduced with the gradients, a presence slot stays 0 only where no rank (or
+    replica) had that gradient: :func:`unpack_gradients` then leaves it None.
+    Raises InvalidArgumentError naming ``call`` for a sparse gradient.
+    """
+    parts, missing = [], False
+    for p in params:
+        g = p.grad
+        if g is None:
+            missing = True
+            g = torch.zeros(p.numel(), dtype=dtype, device=p.device)
+        elif g.is_sparse:
+            raise InvalidArgumentError(
+                f"phalanx.{call}: a parameter of shape {list(p.shape)} has a sparse gradient; gradients "
+                "are reduced dense (e.g. nn.Embedding(..., sparse=False)).")
+        parts.append(g.reshape(-1) if g.dtype == dtype else g.reshape(-1).to(dtype))
+    parts.append(torch.tensor([float(p.grad is not None) for p in params], dtype=dtype, device=params[0].device))
+    return torch.cat(parts), missing
+
+
+def unpack_gradients(torch: Any, flat: Any, params: list[Any], missing: bool) -> None:
+    """Copy the reduced ``flat`` (of :func:`pack_gradients`) back into ``params``' gradients, in place;
+    a parameter without one gets a copy if any rank had it (``missing``: whether one was missing)."""
+    numel = sum(p.numel() for p in params)
+    seen = flat[numel:].tolist() if missing else None
+    views = torch.split(flat[:numel], [p.numel() for p in params])
+    targets, sources = [], []
+    for j, (p, view) in enumerate(zip(params, views, strict=True)):
+        if p.grad is not None:
+            targets.append(p.grad)
+            sources.append(view.view(p.grad.shape))
+        elif seen is not None and seen[j] > 0:
+            p.grad = view.view(p.shape).clone()
+    if targets:
+        torch._foreach_copy_(targets, sources)

@@ -4,7 +4,7 @@ A :class:`Group` is made on every rank of the world (``new_group`` is
 collective over the world, like ``torch.distributed.new_group``). On a member
 it holds a :class:`GroupWorld`: the same :class:`~phalanx._world.World` as the
 global one (its own call counter, fingerprint agreement, timeouts and broken
-state) over a sub-backend (:mod:`phalanx.comm._subgroups`). Collectives find
+state) over a sub-backend (:meth:`Backend.subgroup`). Collectives find
 it through :func:`world_for`.
 
 What differs from the world: errors speak of the group and name its members
@@ -15,12 +15,12 @@ world broken by anything breaks its groups.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections.abc import Iterable
 from typing import Any
 
-from . import _world
-from ._agreement import diagnose, mismatch_error
+from ._agreement import agree, mismatch_error, timeout_error
 from ._errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
@@ -29,9 +29,8 @@ from ._errors import (
     RankFailedError,
     UsageError,
 )
-from ._world import _MASK, CALL_CODES, World, current
+from ._world import World, current, current_or_none
 from .comm._base import Backend
-from .comm._subgroups import make_subbackend, release_subbackend
 
 __all__ = ["Group", "GroupWorld", "destroy_group", "new_group", "world_for", "world_group"]
 
@@ -66,13 +65,13 @@ class Group:
         state = " destroyed" if self._destroyed else (f" rank {self.rank}" if self.member else " (not a member)")
         return f"<phalanx.Group ranks={list(self.ranks)}{state}>"
 
-    def release(self, world: World) -> None:
-        """Release this group on ``world``'s shutdown (local, bounded, never raises).
+    def release(self) -> None:
+        """Release this group when its world shuts down (local, bounded, never raises).
 
-        ``phalanx.shutdown()`` calls it for each live group, so ``_world`` need not import this module.
+        :func:`new_group` registers it with :meth:`World.on_shutdown`, so the world need not know groups.
         """
         try:
-            _release(world, self)
+            _release(self._parent, self)
         except Exception:  # noqa: BLE001 - leaving must not fail on a group's teardown
             self._destroyed = True
 
@@ -93,34 +92,16 @@ class GroupWorld(World):
         return self.group.ranks[r]
 
     def _break(self, why: str) -> None:
-        self.pending.clear()
-        self.broken = why
+        super()._break(why)
         if self.parent.broken is None:  # the job ends as for any failure: the abort hook reads this
             self.parent.broken = f"{why} in {self._label()}"
 
     def timed_out(self, call: str) -> CollectiveTimeoutError:
         """Diagnose which members are missing (bounded), break the group and the world, build the error."""
-        self.pending.clear()
-        grace = min(2.0, max(0.5, self.timeout / 4))
-        missing, elsewhere, note = diagnose(self.backend, call, self.calls, grace)
+        self._pending.clear()
+        error = timeout_error(self.backend, call, self.calls, self.timeout, members=self.group.ranks)
         self._break(f"{call} timed out")
-        ranks = self.group.ranks
-        parts = [f"phalanx.{call} in {self._label()} (call #{self.calls} of the group, on world rank "
-                 f"{ranks[self.rank]} = group rank {self.rank}) timed out after {self.timeout:g} s "
-                 f"waiting for the other members{note}."]
-        if missing:
-            parts.append(f"Members that never reached a phalanx call on this group: group ranks {missing} "
-                         f"(world rank{'s' if len(missing) > 1 else ''} "
-                         f"{', '.join(str(ranks[m]) for m in missing)}) (stuck computing, waiting in "
-                         "non-phalanx code or a collective of the world or another group, finished "
-                         "early, or cut off).")
-        for r, place in sorted(elsewhere.items()):
-            parts.append(f"Group rank {r} (world rank {ranks[r]}) is waiting in {place} on this group instead.")
-        parts.append("Every member must make the same collective calls on the group in the same order. "
-                     "Raise the limit with `phalanx.init(timeout=...)` if the wait is legitimate. This "
-                     "group and its world cannot be used after a timeout.")
-        return CollectiveTimeoutError(" ".join(parts), missing_ranks=[ranks[m] for m in missing],
-                                      elsewhere={ranks[r]: p for r, p in elsewhere.items()})
+        return error
 
     def peer_lost(self, call: str, exc: BaseException) -> RankFailedError:
         self._break(f"a peer was lost during {call}")
@@ -150,7 +131,7 @@ def world_for(group: Group | None, call: str) -> World:
         return current(call)
     if type(group) is Group:
         world, parent = group._world, group._parent
-        if world is not None and parent.broken is None and parent is _world._WORLD:
+        if world is not None and parent.broken is None and parent is current_or_none():
             return world
     return _resolve(group, call)
 
@@ -208,21 +189,10 @@ def _normalize(ranks: Any, size: int) -> tuple[tuple[int, ...] | None, str]:
 
 def _agree(world: World, call: str, key: tuple[int, ...], shown: Any) -> None:
     """World-wide agreement that every rank makes ``call`` on the same ``key``; mismatch on every rank."""
-    world.ready(call)
-    world.calls += 1
-    if world.size == 1:
+    entries = agree(world, call, list(key), lambda: shown)
+    if entries is None:
         return
-    with world.guard(call):
-        same = world.backend.agree(hash((CALL_CODES[call], -3, *key)) & _MASK, world.timeout)
-    if same:
-        return
-    entries = world.allgather_json(call, {**world.describe(call, None, None, -1), "ranks": shown})
-    if any(e["call"] != call for e in entries):
-        error = mismatch_error(call, world.rank, entries)
-        if isinstance(error, RankFailedError):
-            world.broken = f"a peer called shutdown() during {call}"
-        raise error
-    lines = "\n".join(f"  rank {r}: phalanx.{call}({e['ranks']})" for r, e in enumerate(entries))
+    lines = "\n".join(f"  rank {r}: phalanx.{call}({e})" for r, e in enumerate(entries))
     raise CollectiveMismatchError(
         f"phalanx.{call}: the ranks passed different groups, so nothing was made or destroyed:\n{lines}\n"
         f"Every rank of the world, members or not, must call phalanx.{call} with the same group, in "
@@ -253,11 +223,11 @@ def new_group(ranks: Iterable[int]) -> Group:
         raise InvalidArgumentError(f"phalanx.new_group(ranks={ranks!r}): {problem}.")
     world.groups_made += 1
     with world.guard("new_group"):
-        sub = make_subbackend(world.backend, chosen, world.groups_made, world.timeout)
+        sub = world.backend.subgroup(chosen, world.groups_made, world.timeout)
     group = Group(chosen, world, None, world.groups_made)
     if sub is not None:
         group._world = GroupWorld(sub, world, group)
-    world.groups.append(group)
+    world.on_shutdown(group.release)
     return group
 
 
@@ -275,7 +245,7 @@ def destroy_group(group: Group) -> None:
     if not isinstance(group, Group):
         raise InvalidArgumentError(f"phalanx.destroy_group(group={group!r}): pass a group made by "
                                    "phalanx.new_group(ranks).")
-    own = group._parent is world and not group._destroyed and group in world.groups
+    own = group._parent is world and not group._destroyed and group._serial > 0  # not world_group()
     key = (group._serial, *group.ranks) if own else (-1,)
     _agree(world, "destroy_group", key, list(group.ranks) if own else repr(group))
     if group._destroyed:
@@ -287,14 +257,9 @@ def destroy_group(group: Group) -> None:
 
 
 def _release(world: World, group: Group) -> None:
-    world.groups.remove(group)
+    world.on_shutdown(group.release, cancel=True)
     group._destroyed = True
     sub_world, group._world = group._world, None
     if sub_world is not None:
-        release_subbackend(sub_world.backend)
-
-
-def release_groups(world: World) -> None:
-    """Release every group of ``world`` (``phalanx.shutdown()``; local, bounded, never raises)."""
-    for group in list(world.groups):
-        group.release(world)
+        with contextlib.suppress(Exception):  # a lost peer must not fail the teardown
+            sub_world.backend.shutdown()

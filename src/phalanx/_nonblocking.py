@@ -54,7 +54,7 @@ class Handle:
         if agreement is None:
             self._request = start()
         else:
-            world.pending.append(self)
+            world.queue(self)  # the world posts queued data phases in call order (World.flush)
 
     def post(self, block: bool) -> bool:
         """Post the data phase once the agreement passed (blocking if asked). True when posted."""
@@ -71,15 +71,13 @@ class Handle:
     def _post(self, block: bool) -> bool:
         world = self._world
         assert self._agreement is not None  # internal invariant, not user input
-        if world.broken is not None:  # an earlier failure dropped this call with the others pending
-            world.ready(self._call)
-        while world.pending and world.pending[0] is not self:
-            world.pending[0].post(block=True)  # earlier calls go first, on every rank
+        # Raises if an earlier failure dropped this call with the others pending; earlier calls go first.
+        world.ready(self._call, until=self)
         with world.guard(self._call):
             if not block and not self._agreement.test():
                 return False
             same = self._agreement.wait(world.timeout)
-            world.pending.popleft()
+            world.complete(self)
             if not same:
                 start = self._start
                 world.explain_mismatch(self._call, self._buf, start.op, start.root, start.step)
@@ -189,14 +187,7 @@ def ibroadcast(x: Any, root: int = 0, *, step: int | None = None,
 
 
 def _start_handle(world: World, call: str, buf: Buffer, start: _Start) -> Handle:
-    # Like World.enter, but the agreement is posted without waiting for it.
-    if world.broken is not None or not world.check:
-        world.enter(call, buf, start.op, start.root, start.step)  # raises if broken; no agreement
-        return Handle(world, call, buf, start, None)
-    world.ready(call)
-    world.calls += 1
-    with world.guard(call):
-        agreement = world.backend.iagree(world.signature(call, buf, start.op, start.root, start.step))
+    agreement = world.enter(call, buf, start.op, start.root, start.step, wait=False)  # posted, not waited
     return Handle(world, call, buf, start, agreement)
 
 

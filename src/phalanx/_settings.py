@@ -25,9 +25,9 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ._errors import InvalidSettingError
+from ._errors import InvalidSettingError, PhalanxError
 
-__all__ = ["Settings", "env_flag", "env_float", "settings"]
+__all__ = ["Settings", "env_flag", "env_seconds", "settings"]
 
 DEFAULT_TIMEOUT = 300.0
 _TRUE = ("1", "true", "yes", "on")
@@ -50,20 +50,25 @@ def env_flag(name: str, default: bool | None) -> bool | None:
                               "or unset it for the default.")
 
 
-def env_float(name: str, default: float, *, minimum: float = 0.0, inclusive: bool = False) -> float:
-    """The number of seconds in environment variable ``name`` (above ``minimum``), else ``default``."""
-    value = os.environ.get(name)
-    if value is None or value.strip() == "":
+def env_seconds(name: str, default: float, *, zero_ok: bool = False, call: str = "",
+                error: type[PhalanxError] = InvalidSettingError) -> float:
+    """The number of seconds in environment variable ``name``, else ``default`` (unset or empty).
+
+    A value that is not a finite number above 0 (0 or more with ``zero_ok``) raises ``error``
+    (:class:`InvalidSettingError`, or e.g. the launcher's :class:`LaunchError`), its message
+    starting with ``call`` (e.g. ``"phalanx run: "``) and naming the variable, the value and an example.
+    """
+    value = os.environ.get(name, "").strip()
+    if not value:
         return default
     try:
         seconds = float(value)
     except ValueError:
-        raise InvalidSettingError(f"{name}={value!r} is not a number of seconds: set e.g. {name}=60, "
-                                  "or unset it for the default.") from None
-    if not math.isfinite(seconds) or seconds < minimum or (seconds == minimum and not inclusive):
-        bound = f"at least {minimum:g}" if inclusive else f"more than {minimum:g}"
-        raise InvalidSettingError(f"{name}={value!r}: the number of seconds must be finite and {bound}, e.g. "
-                                  f"{name}=60, or unset it for the default.")
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not zero_ok):
+        least = "0 or more" if zero_ok else "more than 0"
+        raise error(f"{call}{name}={value!r} is not a number of seconds (finite, {least}); set it to e.g. "
+                    f"{name}={default:g} (the default), or unset it.")
     return seconds
 
 
@@ -84,7 +89,7 @@ class Settings:
     code before :func:`phalanx.init` to override the environment.
     """
 
-    timeout: float = field(default_factory=lambda: env_float("PHALANX_TIMEOUT", DEFAULT_TIMEOUT))
+    timeout: float = field(default_factory=lambda: env_seconds("PHALANX_TIMEOUT", DEFAULT_TIMEOUT))
     check: bool = field(default_factory=lambda: bool(env_flag("PHALANX_CHECK", True)))
     debug: bool = field(default_factory=lambda: bool(env_flag("PHALANX_DEBUG", False)))
     gpu_aware_mpi: bool | None = field(default_factory=lambda: env_flag("PHALANX_GPU_AWARE_MPI", None))

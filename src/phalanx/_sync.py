@@ -34,26 +34,25 @@ into its memory (copying it into a buffer would cost more than the call).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sys
 from typing import Any
 
 import numpy as np
 
+from ._agreement import agree
 from ._arrays import UnsupportedArgumentError, is_jax_array, jax_host_view
-from ._collectives import allreduce, broadcast
+from ._collectives import broadcast
 from ._errors import InvalidArgumentError
 from ._groups import Group, world_for
 from ._sync_errors import mismatch_error
 from ._tree import Node, flatten, jax_node, unflatten
+from ._world import World
 
 __all__ = ["synchronize"]
 
 BUCKET_BYTES = 64 << 20  # a fused buffer's size limit: bounds the extra memory a sync needs
 DIRECT_BYTES = 1 << 20  # a leaf this large is broadcast on its own, in place when it is contiguous
 _ALIGN = 16  # every leaf starts at a multiple of this in its buffer, so any dtype can view it
-_MASK = (1 << 62) - 1
 _NUMERIC_KINDS = frozenset("biufcmM")  # NumPy dtype kinds that are data (not str/object)
 _SCALARS = {bool: ("bool", np.dtype(np.bool_)), int: ("int", np.dtype(np.int64)),
             float: ("float", np.dtype(np.float64))}
@@ -123,7 +122,7 @@ def synchronize(obj: Any, root: int = 0, *, group: Group | None = None) -> Any:
     pairs, spec = flatten(obj, _expand, "obj")
     leaves = _classify(pairs)
     if world.size > 1:
-        _agree(leaves, root, world.size, group)
+        _agree(world, leaves, root)
     bad = [leaf for leaf in leaves if leaf.kind == "unsupported"]
     if bad:  # every rank has the same ones (the agreement compared them), so every rank raises
         raise UnsupportedArgumentError(
@@ -248,22 +247,14 @@ def _jax_leaf(path: str, x: Any) -> _Leaf:
     return _Leaf(path, x, "jax", str(x.dtype), tuple(x.shape), "host", int(x.nbytes))
 
 
-# -- agreement and diagnosis --------------------------------------------------------------------
+# -- agreement ----------------------------------------------------------------------------------
 
-def _agree(leaves: list[_Leaf], root: int, size: int, group: Group | None = None) -> None:
-    """One allreduce of a hash of the structure; on a difference, every rank raises the same error."""
-    text = json.dumps([root, [leaf.key() for leaf in leaves]], separators=(",", ":"))
-    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & _MASK
-    # max of (d, -d) equals (d, -d) on a rank iff every rank sent the same d.
-    seen = allreduce(np.array([digest, -digest], np.int64), op="max", group=group)
-    if int(seen[0]) != digest or int(seen[1]) != -digest:
-        _explain(leaves, root, size, group)
-
-
-def _explain(leaves: list[_Leaf], root: int, size: int, group: Group | None = None) -> None:
-    tables = world_for(group, "synchronize").allgather_json(
-        "synchronize", {"root": root, "entries": [[*leaf.key(), leaf.note] for leaf in leaves]})
-    raise mismatch_error(tables)
+def _agree(world: World, leaves: list[_Leaf], root: int) -> None:
+    """One small allreduce of a hash of the structure; on a difference, every rank raises the same error."""
+    tables = agree(world, "synchronize", [root, [leaf.key() for leaf in leaves]],
+                   lambda: {"root": root, "entries": [[*leaf.key(), leaf.note] for leaf in leaves]})
+    if tables is not None:
+        raise mismatch_error(tables)
 
 
 # -- moving the bytes ---------------------------------------------------------------------------

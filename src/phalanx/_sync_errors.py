@@ -1,7 +1,7 @@
 """The error of a failed ``phalanx.synchronize`` agreement: which rank holds what, where, and the fix.
 
 Every rank builds the same error from every rank's table of entries (``[path, kind,
-dtype, shape, place, note]``, gathered by ``_sync._explain``), so every rank raises alike.
+dtype, shape, place, note]``, gathered by ``_sync._agree``), so every rank raises alike.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ._agreement import first_difference
 from ._errors import CollectiveMismatchError
 
 __all__ = ["mismatch_error"]
@@ -25,15 +26,13 @@ def mismatch_error(tables: list[dict[str, Any]]) -> CollectiveMismatchError:
         return CollectiveMismatchError("phalanx.synchronize: the ranks passed different roots, so nothing "
                                        "was sent:\n" + "\n".join(lines) + "\nEvery rank must pass the same "
                                        "`root`.")
-    by_path = [{e[0]: e for e in t["entries"]} for t in tables]
-    order = list(dict.fromkeys(e[0] for t in tables for e in t["entries"]))
-    for path in order:
-        found = [entries.get(path) for entries in by_path]
-        if len({json.dumps(e[:5] if e else None) for e in found}) > 1:
-            lines = [f"  rank {r}: {_describe(e)}" for r, e in enumerate(found)]
-            return CollectiveMismatchError(
-                f"phalanx.synchronize: the ranks' objects differ at {path}, so nothing was sent:\n"
-                + "\n".join(lines) + "\n" + _hint(path, found))
+    found = first_difference([t["entries"] for t in tables], lambda _r, e: _describe(e),
+                             key=lambda e: e[0], compare=lambda e: e[:5])
+    if found is not None:
+        path, entries, shown = found
+        return CollectiveMismatchError(
+            f"phalanx.synchronize: the ranks' objects differ at {path}, so nothing was sent:\n"
+            + shown + "\n" + _hint(path, entries))
     lines = [f"  rank {r}: {[e[0] for e in t['entries']][:8]}" for r, t in enumerate(tables)]
     return CollectiveMismatchError(
         "phalanx.synchronize: the ranks hold the same entries in a different order, so nothing was "

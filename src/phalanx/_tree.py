@@ -157,7 +157,7 @@ def _update_fields(x: Any, names: list[str]) -> Callable[[list[Any]], Any]:
         changed = [(n, v) for n, v in zip(names, values, strict=True) if getattr(x, n) is not v]
         if not changed:
             return x
-        frozen = type(x).__dataclass_params__.frozen  # type: ignore[attr-defined]
+        frozen = type(x).__dataclass_params__.frozen
         target = copy.copy(x) if frozen else x
         for n, v in changed:
             if frozen:

@@ -12,21 +12,21 @@ mode). One tiny allreduce, polled with a deadline, so that
 * a different shape/dtype/op/root/collective/step on some rank is a
   :class:`CollectiveMismatchError` on every rank *before* data moves;
 * a rank that never arrives is a :class:`CollectiveTimeoutError` naming it;
-* a rank that calls :func:`shutdown` while its peers wait in a collective is a
+* a rank that calls :func:`phalanx.shutdown` while its peers wait in a collective is a
   :class:`RankFailedError` on those peers, at once (shutdown agrees too).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 import zlib
 from collections import deque
+from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Literal, Protocol, cast
 
 from . import _trace
-from ._agreement import call_site, mismatch_error, timeout_error, where
+from ._agreement import MASK, call_site, mismatch_error, timeout_error
 from ._arrays import Buffer
 from ._devices import rank_device
 from ._errors import (
@@ -35,22 +35,18 @@ from ._errors import (
     InvalidArgumentError,
     InvalidSettingError,
     NotInitializedError,
-    PhalanxError,
     RankFailedError,
     UsageError,
     WorldBrokenError,
 )
 from ._failure import install_abort_hook, mark_rank
 from ._settings import settings
-from .comm._base import OPS, Backend, PeerLost, WaitTimeout
+from .comm._base import OPS, Backend, PeerLost, Request, WaitTimeout
 from .comm._detect import BACKENDS, BackendName, detect_backend
-
-if TYPE_CHECKING:
-    from ._nonblocking import Handle
 
 __all__ = [
     "World", "backend", "current", "current_or_none", "device", "init", "initialized", "local_rank",
-    "local_size", "rank", "shutdown", "size", "swap",
+    "local_size", "rank", "size", "swap",
 ]
 
 # Collective codes in fingerprints (and names in messages).
@@ -61,7 +57,6 @@ CALLS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "reduce_scat
          "new_group", "destroy_group", "horovod.torch.DistributedOptimizer")
 CALL_CODES = {name: i for i, name in enumerate(CALLS)}
 OP_CODES = {name: i for i, name in enumerate(OPS)}
-_MASK = (1 << 62) - 1
 
 
 class _Guard:
@@ -76,7 +71,7 @@ class _Guard:
         return None
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> bool:
+                 tb: TracebackType | None) -> Literal[False]:
         if kind is None:
             return False
         if issubclass(kind, WaitTimeout):
@@ -84,6 +79,13 @@ class _Guard:
         if issubclass(kind, PeerLost):
             raise self.world.peer_lost(self.call, exc) from None  # type: ignore[arg-type]
         return False
+
+
+class Pending(Protocol):
+    """A non-blocking call queued on a world by :meth:`World.queue` (a ``phalanx.Handle``)."""
+
+    def post(self, block: bool) -> bool:
+        """Post the call's data phase once its agreement passed (blocking if asked); True when posted."""
 
 
 class World:
@@ -100,44 +102,54 @@ class World:
         self.devices = devices
         self.calls = 0  # collectives entered so far on this rank
         self.broken: str | None = None
-        self.pending: deque[Handle] = deque()
-        self.groups: list[Any] = []  # the live groups phalanx.new_group made in this world (_groups.py)
-        self.groups_made, self.world_group = 0, cast(Any, None)
+        self._pending: deque[Pending] = deque()  # non-blocking calls whose data phase is not posted
+        self._at_shutdown: list[Callable[[], None]] = []
+        self.groups_made, self.world_group = 0, cast(Any, None)  # phalanx.new_group's (_groups.py)
 
     def guard(self, call: str) -> _Guard:
         """A context in which the backend's timeouts and lost peers become phalanx errors for ``call``."""
         return _Guard(self, call)
 
-    def ready(self, call: str) -> None:
-        """Raise if the world is broken; post every pending non-blocking call (MPI matches by order)."""
+    def ready(self, call: str, until: Pending | None = None) -> None:
+        """Raise if the world is broken; post the pending non-blocking calls (before ``until``)."""
         if self.broken is not None:
             raise WorldBrokenError(
                 f"phalanx.{call}: the world is unusable after an earlier failure ({self.broken}). "
                 "Let the exception end the job (the launcher stops every rank) and restart from a "
                 "checkpoint.")
-        if self.pending:
-            self.flush(call)
+        if self._pending:
+            self.flush(call, until)
 
     # -- the agreement ------------------------------------------------------
     def enter(self, call: str, buf: Buffer | None, op: str | None = None, root: int = -1,
-              step: int | None = None) -> None:
-        """Start collective ``call``: flush pending handles, then agree on the fingerprint."""
-        if self.broken is not None or self.pending:
+              step: int | None = None, *, wait: bool = True) -> Request | None:
+        """Start collective ``call``: flush pending handles, then agree on the fingerprint.
+
+        ``wait=False`` (a non-blocking call, traced by its handle) posts the agreement
+        without waiting: its request is returned, or None when calls are not checked.
+        """
+        if self.broken is not None or self._pending:
             self.ready(call)
         self.calls += 1
-        if _trace.ON:
+        if _trace.ON and wait:
             _trace.begin(self, call, buf, op, root)
         if not self.check:
-            return
+            return None
+        if not wait:
+            with _Guard(self, call):
+                return self.backend.iagree(self.signature(call, buf, op, root, step))
         if buf is None or self.debug or step is not None:
             signature = self.signature(call, buf, op, root, step)
         else:  # signature() inlined: this is every checked call's hot path
+            # Not _agreement.agree (JSON, blake2b, a detail to gather): that costs microseconds per
+            # call, which a structure check made once can pay and every collective cannot.
             signature = hash((CALL_CODES[call], OP_CODES[op] if op else -1, root, buf.code,
-                              buf.shape)) & _MASK
+                              buf.shape)) & MASK
         with _Guard(self, call):
             same = self.backend.agree(signature, self.timeout)
         if not same:
             self.explain_mismatch(call, buf, op, root, step)
+        return None
 
     def signature(self, call: str, buf: Buffer | None, op: str | None, root: int,
                   step: int | None = None) -> int:
@@ -151,7 +163,7 @@ class World:
         signature = hash(key)
         if self.debug:
             signature ^= zlib.crc32(call_site().encode()) << 20
-        return signature & _MASK
+        return signature & MASK
 
     def describe(self, call: str, buf: Buffer | None, op: str | None, root: int,
                  step: int | None = None) -> dict[str, Any]:
@@ -174,8 +186,7 @@ class World:
         entries = self.allgather_json(call, self.describe(call, buf, op, root, step))
         error = mismatch_error(call, self.rank, entries)
         if isinstance(error, RankFailedError):
-            self.broken = f"a peer called shutdown() during {call}"
-            self.pending.clear()
+            self._break(f"a peer called shutdown() during {call}")
         raise error
 
     def allgather_json(self, call: str, value: Any) -> list[Any]:
@@ -187,41 +198,56 @@ class World:
             parts = self.backend.allgather_bytes(json.dumps(value).encode(), self.timeout)
         return [json.loads(p) for p in parts]
 
-    def leave(self) -> list[dict[str, Any]] | None:
-        """Agree on ``shutdown`` with the peers: None when every rank is shutting down, else every
-        rank's description (the peers then raise RankFailedError naming this rank)."""
-        self.calls += 1
-        with _Guard(self, "shutdown"):
-            # Not signature(): in debug mode that adds the call site, and ranks may shut down anywhere.
-            if self.backend.agree(hash((CALL_CODES["shutdown"], -1, -1)) & _MASK, self.timeout):
-                return None
-        return self.allgather_json("shutdown", self.describe("shutdown", None, None, -1))
-
     # -- failures -------------------------------------------------------------
     def timed_out(self, call: str) -> CollectiveTimeoutError:
         """Diagnose which ranks are missing (bounded), mark the world broken, build the error."""
-        self.pending.clear()
         error = timeout_error(self.backend, call, self.calls, self.timeout)
-        self.broken = f"{call} timed out"
+        self._break(f"{call} timed out")
         return error
 
     def peer_lost(self, call: str, exc: BaseException) -> RankFailedError:
-        self.pending.clear()
-        self.broken = f"a peer was lost during {call}"
+        self._break(f"a peer was lost during {call}")
         return RankFailedError(
             f"phalanx.{call}: a peer rank died or closed its connection ({exc}). The failing rank's "
             "own error is in its output (`phalanx run` reports it first). This world cannot be used "
             "any more."
         )
 
-    def flush(self, call: str) -> None:
-        """Post the data phase of every pending non-blocking call, in the order they were made.
+    def _break(self, why: str) -> None:
+        """Mark the world unusable (``why``) and drop its pending non-blocking calls."""
+        self._pending.clear()
+        self.broken = why
 
-        MPI matches collectives by order, so before anything new is posted the
-        earlier handles' data phases must be posted on every rank in the same order.
-        """
-        while self.pending:
-            self.pending[0].post(block=True)
+    def on_shutdown(self, callback: Callable[[], None], *, cancel: bool = False) -> None:
+        """Call ``callback()`` when this world shuts down, before the backend is released (local,
+        bounded, never raising: a group's teardown); ``cancel=True`` takes it back."""
+        if cancel:
+            self._at_shutdown.remove(callback)
+        else:
+            self._at_shutdown.append(callback)
+
+    def release(self) -> None:
+        """Run the :meth:`on_shutdown` callbacks, then release the backend (the end of ``shutdown()``)."""
+        for callback in list(self._at_shutdown):
+            callback()
+        self.backend.shutdown()
+
+    # -- non-blocking calls: agreed now, data phases posted in call order on every rank ----------
+    def queue(self, handle: Pending) -> None:
+        """Queue a non-blocking call's ``handle`` (its agreement in flight) until :meth:`flush` posts it."""
+        self._pending.append(handle)
+
+    def flush(self, call: str, until: Pending | None = None) -> None:
+        """Post the data phase of every pending non-blocking call made before ``until`` (all of
+        them without it), in call order: MPI matches collectives by order, on every rank."""
+        pending = self._pending
+        while pending and pending[0] is not until:
+            pending[0].post(block=True)
+
+    def complete(self, handle: Pending) -> None:
+        """``handle``'s agreement completed: take it off the queue (``flush`` until it made it first)."""
+        first = self._pending.popleft()
+        assert first is handle  # internal invariant, not user input
 
 
 _WORLD: World | None = None
@@ -321,43 +347,8 @@ def _make_backend(name: str, *, timeout: float, gpu_aware_mpi: bool | None,
 
 
 def initialized() -> bool:
-    """True between :func:`init` and :func:`shutdown` (never raises; needs no world)."""
+    """True between :func:`init` and :func:`phalanx.shutdown` (never raises; needs no world)."""
     return _WORLD is not None
-
-
-def shutdown() -> None:
-    """Leave the world and release the backend; calling it again does nothing.
-
-    Every rank should call it, after the same collective calls: it agrees with
-    the peers (bounded by the timeout) before releasing anything. Peers that are
-    still waiting in a collective instead raise RankFailedError naming this rank
-    at once, and this rank leaves without waiting for them (with a warning).
-    """
-    global _WORLD
-    world, _WORLD = _WORLD, None
-    if world is None:
-        return
-    try:
-        if world.broken is None and world.size > 1:
-            world.ready("shutdown")
-            entries = world.leave()
-            if entries is not None:
-                _warn_left_behind(world, entries)
-    except PhalanxError as exc:  # the peers failed or never came: leave anyway, quickly
-        world.broken = world.broken or f"shutdown failed: {type(exc).__name__}"
-    finally:
-        for group in list(world.groups):  # each Group releases itself (no import of _groups here)
-            group.release(world)
-        world.backend.shutdown()
-
-
-def _warn_left_behind(world: World, entries: list[dict[str, Any]]) -> None:
-    others = {r: where(e) for r, e in enumerate(entries) if e["call"] != "shutdown"}
-    world.broken = "shut down while peers were in a collective"
-    warnings.warn(f"phalanx.shutdown() on rank {world.rank}: other ranks were still in a collective "
-                  f"({', '.join(f'rank {r}: {p}' for r, p in others.items())}); they raise "
-                  "RankFailedError. Every rank must make the same collective calls before shutdown().",
-                  RuntimeWarning, stacklevel=3)
 
 
 def backend() -> Backend:

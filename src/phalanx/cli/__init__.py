@@ -15,7 +15,6 @@ stays as light as ``import phalanx``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 
@@ -70,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
             from ._demo import main as demo_main
 
             return demo_main(rest)
-        return _bench(rest)
+        from ._bench import main as bench_main
+
+        return bench_main(rest)
     except LaunchError as exc:
         sys.stderr.write(f"{exc}\n")
         return 2
@@ -80,14 +81,3 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
 
-
-def _bench(argv: list[str]) -> int:
-    try:
-        bench = importlib.import_module("phalanx.cli._bench")
-    except ModuleNotFoundError as exc:
-        if exc.name != "phalanx.cli._bench":
-            raise
-        sys.stderr.write("phalanx bench: not available in this version of phalanx "
-                         "(the benchmark module phalanx.cli._bench is not installed).\n")
-        return 2
-    return int(bench.main(argv) or 0)

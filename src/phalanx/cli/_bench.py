@@ -240,8 +240,8 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _fit(results: list[dict[str, Any]], size: int, link_class: str, names: list[str]) -> dict[str, Any]:
-    """The α-β fit of each implementation's allreduce timings (``phalanx._scaling.fit_allreduce``)."""
-    from .._scaling import fit_allreduce
+    """The α-β fit of each implementation's allreduce timings (``phalanx.cli._scaling.fit_allreduce``)."""
+    from ._scaling import fit_allreduce
 
     sizes = [row["bytes"] for row in results]
     links = {name: fit_allreduce(sizes, [row["seconds"][name] for row in results], size) for name in names}

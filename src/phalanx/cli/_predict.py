@@ -5,7 +5,7 @@
     phalanx bench predict --model resnet101 --step-ms 250 --fabric 25gbe --ranks 2,4,...,1024 \\
         --ranks-per-host 8 --variants plain,bf16,powersgd,hierarchical --png scaling.png
 
-The model and its assumptions: ``docs/scaling.md``; the arithmetic: :mod:`phalanx._scaling`.
+The model and its assumptions: ``docs/scaling.md``; the arithmetic: :mod:`phalanx.cli._scaling`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from .._errors import InvalidArgumentError, MissingDependencyError
-from .._scaling import (
+from ._scaling import (
     Fabric,
     Settings,
     codec_flops,
@@ -29,7 +29,7 @@ from .._scaling import (
     parse_variant,
     predict,
 )
-from .._scaling_data import LINKS, MODELS, Link, ModelShape
+from ._scaling_data import LINKS, MODELS, Link, ModelShape
 
 __all__ = ["main", "parse_ranks", "load_fabric"]
 

@@ -25,8 +25,23 @@ from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 __all__ = ["OPS", "Backend", "DiagnosisUnavailable", "Op", "PeerLost", "Request", "WaitTimeout"]
 
-#: A reduction op: ``avg`` needs floats; on ``bool``, ``min`` is logical and, ``max`` logical or.
 Op = Literal["sum", "prod", "min", "max", "avg"]
+Op.__doc__ = """The reduction ops of phalanx.allreduce, reduce, reduce_scatter and iallreduce (``op=``).
+
+A ``typing.Literal`` of strings, applied elementwise across ranks:
+
+* ``"sum"`` (the default), ``"prod"``, ``"min"``, ``"max"``: as numpy computes them, in
+  the input's dtype.
+* ``"avg"``: the sum divided by the number of ranks; floating dtypes only (an integer
+  average would be truncated: :class:`phalanx.UnsupportedArgumentError`).
+* on ``bool`` data only ``"min"`` (logical and) and ``"max"`` (logical or) are allowed.
+
+Any other string raises :class:`phalanx.InvalidArgumentError`. Every rank must pass the
+same op (else :class:`phalanx.CollectiveMismatchError`). Example::
+
+    mean_loss = phalanx.allreduce(loss, op="avg")
+    any_nan = phalanx.allreduce(np.isnan(x).any(), op="max")
+"""
 # Reduction ops in a fixed order: the index is the op's code in fingerprints.
 OPS: tuple[str, ...] = get_args(Op)
 
@@ -92,6 +107,15 @@ class Backend(Protocol):
     def alltoall(self, x: Any, timeout: float) -> Any: ...
     def barrier(self, timeout: float) -> None: ...
 
-    # -- lifecycle ----------------------------------------------------------
+    # -- groups and lifecycle -------------------------------------------------
+    def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float) -> Backend | None:
+        """The backend of the group of world ranks ``ranks`` (sorted) on a member; None elsewhere.
+
+        Collective over the whole world, in the same order on every rank (``serial``
+        numbers the groups of the world; ``timeout`` bounds the making). The group's
+        backend is this backend's class, with ``rank`` and ``size`` of the group; its
+        :meth:`shutdown` releases the group's transport and leaves the world's alone.
+        """
+
     def shutdown(self) -> None: ...
     def abort(self, code: int) -> None: ...

@@ -9,8 +9,24 @@ from typing import Literal
 
 __all__ = ["BACKENDS", "BackendName", "detect_backend"]
 
-#: What :func:`phalanx.init` accepts: ``auto`` picks what the launcher started.
 BackendName = Literal["auto", "local", "mpi", "gloo", "nccl"]
+BackendName.__doc__ = """The names :func:`phalanx.init` accepts as ``backend``: a ``typing.Literal`` of strings.
+
+* ``"auto"`` (the default): what the launcher started, read from the environment:
+  ``PHALANX_BACKEND`` (set by ``phalanx run --backend``) if set; ``"mpi"`` under
+  mpiexec or srun; ``"nccl"`` under torchrun when CUDA is available, else ``"gloo"``;
+  ``"local"`` for a script started alone.
+* ``"local"``: a world of one process, no communication library.
+* ``"mpi"``: MPI through mpi4py (start the ranks with ``phalanx run`` or ``mpiexec``).
+* ``"gloo"``: torch.distributed's CPU backend (``phalanx run --backend gloo`` or torchrun).
+* ``"nccl"``: torch.distributed's GPU backend, one CUDA device per rank.
+
+``phalanx.backend().name`` is the resolved name, never ``"auto"``. Any other string
+raises :class:`phalanx.InvalidArgumentError`. Example::
+
+    backend: phalanx.BackendName = "gloo"
+    phalanx.init(backend)
+"""
 BACKENDS = ("local", "mpi", "gloo", "nccl")
 
 # Variables an MPI launcher sets in every rank it starts.

@@ -399,7 +399,7 @@ class Guard:
             registered = self._selector.get_map().get(sock)
             if events and registered is None:
                 self._selector.register(sock, events, link)
-            elif events and registered.events != events:
+            elif events and registered is not None and registered.events != events:
                 self._selector.modify(sock, events, link)
             elif not events and registered is not None:
                 self._selector.unregister(sock)

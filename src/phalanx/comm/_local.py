@@ -93,6 +93,9 @@ class LocalBackend:
     def barrier(self, timeout: float) -> None:
         return None
 
+    def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float) -> LocalBackend:
+        return LocalBackend()  # a world of one has only the group [0]
+
     def shutdown(self) -> None:
         return None
 

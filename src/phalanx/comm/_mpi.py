@@ -39,9 +39,8 @@ from __future__ import annotations
 
 import array
 import contextlib
-import json
+import copy
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,10 +50,13 @@ from .._arrays import NATIVE_NUMPY_DTYPES, cast_like
 from . import _halfsum, _ring
 from ._base import PeerLost, WaitTimeout
 from ._mpilib import (
+    DIAG_TAG,
     MPIRequest,
     abort_job,
     check_launcher_agrees,
     detect_gpu_aware,
+    diagnose,
+    group_comms,
     import_mpi,
     mpi_available,
     preconnect,
@@ -65,7 +67,6 @@ __all__ = ["MPIBackend", "detect_gpu_aware", "mpi_available"]
 
 _F16 = np.dtype(np.float16)
 _BOOL = np.dtype(np.bool_)
-_DIAG_TAG = 31_337
 
 
 def _torch() -> Any:
@@ -87,29 +88,44 @@ class MPIBackend:
             MPI.Init_thread(MPI.THREAD_MULTIPLE)
         self.MPI = MPI
         check_launcher_agrees(MPI.COMM_WORLD.Get_size())
-        self.comm = MPI.COMM_WORLD.Dup()
-        self._diag = MPI.COMM_WORLD.Dup()
-        self.rank = self.comm.Get_rank()
-        self.size = self.comm.Get_size()
-        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        comm, diag = MPI.COMM_WORLD.Dup(), MPI.COMM_WORLD.Dup()
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         node.Free()
-        if self.local_size < self.size:  # across hosts, a diagnosis must never open a connection (preconnect)
-            preconnect(self._diag, _DIAG_TAG)
-        self._ring = _ring.rings_for(MPI, self.comm, self.local_size)  # large buffers across hosts
+        if self.local_size < comm.Get_size():  # across hosts, a diagnosis must never open a connection
+            preconnect(diag, DIAG_TAG)
         self.gpu_aware = detect_gpu_aware(MPI) if gpu_aware_mpi is None else bool(gpu_aware_mpi)
         self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
         self._bool_ops = {"min": MPI.LAND, "max": MPI.LOR}
         self._max = MPI.MAX
         self._in_place = MPI.IN_PLACE
-        self._chk = array.array("q", [0, 0])
-        self._chk_out = array.array("q", [0, 0])
         self._abandoned: list[tuple[Any, tuple[Any, ...]]] = []  # timed-out data phases (module notes)
+        self._bind(comm, diag, _ring.rings_for(MPI, comm, self.local_size))  # rings: large buffers across hosts
+
+    def _bind(self, comm: Any, diag: Any, ring: _ring.Rings | None) -> None:
+        """Work on ``comm`` (the world's own duplicate, or a group's), diagnose on ``diag``."""
+        self.comm, self._diag, self._ring = comm, diag, ring
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._chk, self._chk_out = array.array("q", [0, 0]), array.array("q", [0, 0])
         # A persistent collective (MPI-4) skips argument parsing on every call: ~1 us instead of ~2.5.
         try:
-            self._agreement: Any = self.comm.Allreduce_init(self._chk, self._chk_out, MPI.MAX)
-        except (NotImplementedError, MPI.Exception, AttributeError):
+            self._agreement: Any = comm.Allreduce_init(self._chk, self._chk_out, self.MPI.MAX)
+        except (NotImplementedError, self.MPI.Exception, AttributeError):
             self._agreement = None
+
+    def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float) -> MPIBackend | None:
+        """The backend of group ``ranks`` (world ranks) on a member, None elsewhere: communicators of
+        the members only, this backend's options and op tables (see :meth:`Backend.subgroup`)."""
+        if self.rank not in ranks:
+            return None
+        comm, diag = group_comms(self.MPI, self.comm, self._diag, ranks)
+        try:  # among the members only, like group_comms
+            ring = _ring.Rings(self.MPI, comm.Dup()) if self._ring is not None and len(ranks) > 1 else None
+        except self.MPI.Exception as exc:
+            raise PeerLost(str(exc)) from exc
+        sub = copy.copy(self)  # shares _abandoned: MPI may write into those until the process ends
+        sub._bind(comm, diag, ring)
+        return sub
 
     def __repr__(self) -> str:
         return f"<phalanx mpi backend rank {self.rank}/{self.size}>"
@@ -221,32 +237,14 @@ class MPIBackend:
     def broadcast_bytes(self, payload: bytes | None, root: int, timeout: float) -> bytes:
         size = np.array([len(payload) if self.rank == root and payload is not None else 0], np.int64)
         poll(self.comm.Ibcast(size, root).Test, timeout)
-        buf = np.frombuffer(payload, np.uint8).copy() if self.rank == root else np.empty(int(size[0]), np.uint8)
+        buf = np.frombuffer(payload or b"", np.uint8).copy() if self.rank == root else np.empty(int(size[0]), np.uint8)
         poll(self.comm.Ibcast(buf, root).Test, timeout)
         return buf.tobytes()
 
     def diagnose(self, call: str, call_index: int, grace: float) -> tuple[list[int], dict[int, str]]:
         """Tell every peer where this rank is stuck; listen for their reports for ``grace`` s."""
-        me = json.dumps({"call": call, "index": call_index}).encode()
-        sends = [self._diag.Isend(me, dest=r, tag=_DIAG_TAG) for r in range(self.size) if r != self.rank]
-        reports: dict[int, dict[str, Any]] = {}
-        status = self.MPI.Status()
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and len(reports) < self.size - 1:
-            if self._diag.Iprobe(source=self.MPI.ANY_SOURCE, tag=_DIAG_TAG, status=status):
-                src = status.Get_source()
-                buf = bytearray(status.Get_count(self.MPI.BYTE))
-                self._diag.Recv(buf, source=src, tag=_DIAG_TAG)
-                reports[src] = json.loads(bytes(buf))
-            else:
-                time.sleep(0.005)
+        missing, elsewhere, sends = diagnose(self.MPI, self._diag, call, call_index, grace)
         self._pending_diag = sends  # keep the send buffers alive; the world is unusable now anyway
-        missing = [r for r in range(self.size) if r != self.rank and r not in reports]
-        elsewhere = {
-            r: f"{rep['call']} (call #{rep['index']})"
-            for r, rep in reports.items()
-            if rep["call"] != call or rep["index"] != call_index
-        }
         return missing, elsewhere
 
     # -- data -----------------------------------------------------------------

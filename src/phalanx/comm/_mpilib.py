@@ -1,5 +1,5 @@
-"""Loading MPI for the ``mpi`` backend, what phalanx asks the library before using it, and the
-request object of its non-blocking calls.
+"""Loading MPI for the ``mpi`` backend, what phalanx asks the library before using it, the
+request object of its non-blocking calls, the communicators of a group and the diagnosis of a timeout.
 
 mpi4py is imported only here and only when a backend is made (``import phalanx``
 stays light); a missing or broken MPI is a :class:`BackendUnavailableError`
@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +21,11 @@ from .._errors import BackendUnavailableError
 from ._base import PeerLost, WaitTimeout
 from ._wait import poll
 
-__all__ = ["MPIRequest", "abort_job", "check_launcher_agrees", "detect_gpu_aware", "import_mpi", "mpi_available"]
+__all__ = ["DIAG_TAG", "MPIRequest", "abort_job", "check_launcher_agrees", "detect_gpu_aware", "diagnose",
+           "group_comms", "import_mpi", "mpi_available"]
+
+DIAG_TAG = 31_337  # the diagnosis's messages (and preconnect's) on the diagnosis communicator
+_GROUP_TAG = 7_713  # MPI_Comm_create_group's tag (calls are ordered by the world-wide agreement anyway)
 
 
 def mpi_available() -> bool:
@@ -123,6 +129,48 @@ def preconnect(comm: Any, tag: int) -> None:
     reqs = [comm.Irecv(inbox[r:r + 1], source=r, tag=tag) for r in peers]
     reqs += [comm.Isend(token, dest=r, tag=tag) for r in peers]
     type(reqs[0]).Waitall(reqs)
+
+
+def group_comms(MPI: Any, comm: Any, diag: Any, ranks: tuple[int, ...]) -> tuple[Any, Any]:
+    """The communicators of group ``ranks`` made from ``comm`` and ``diag`` (``MPI_Comm_create_group``).
+
+    Blocking, among the members only (they have just agreed on it, world-wide); an MPI
+    error is PeerLost.
+    """
+    try:
+        members = comm.Get_group().Incl(list(ranks))
+        made = comm.Create_group(members, _GROUP_TAG), diag.Create_group(members, _GROUP_TAG + 1)
+        members.Free()
+    except MPI.Exception as exc:
+        raise PeerLost(str(exc)) from exc
+    return made
+
+
+def diagnose(MPI: Any, diag: Any, call: str, call_index: int,
+             grace: float) -> tuple[list[int], dict[int, str], list[Any]]:
+    """Tell every peer on ``diag`` where this rank is stuck; listen for their reports for ``grace`` s.
+
+    Returns (ranks that never reported, {rank: the call it is in instead}, the sends, whose buffers
+    must be kept alive).
+    """
+    rank, size = diag.Get_rank(), diag.Get_size()
+    me = json.dumps({"call": call, "index": call_index}).encode()
+    sends = [diag.Isend(me, dest=r, tag=DIAG_TAG) for r in range(size) if r != rank]
+    reports: dict[int, dict[str, Any]] = {}
+    status = MPI.Status()
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and len(reports) < size - 1:
+        if diag.Iprobe(source=MPI.ANY_SOURCE, tag=DIAG_TAG, status=status):
+            src = status.Get_source()
+            buf = bytearray(status.Get_count(MPI.BYTE))
+            diag.Recv(buf, source=src, tag=DIAG_TAG)
+            reports[src] = json.loads(bytes(buf))
+        else:
+            time.sleep(0.005)
+    missing = [r for r in range(size) if r != rank and r not in reports]
+    elsewhere = {r: f"{rep['call']} (call #{rep['index']})" for r, rep in reports.items()
+                 if rep["call"] != call or rep["index"] != call_index}
+    return missing, elsewhere, sends
 
 
 _ABANDONED: list[Any] = []  # requests whose wait timed out (MPIRequest.wait)

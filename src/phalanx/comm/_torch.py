@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import os
 import sys
-import threading
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -22,8 +22,8 @@ import numpy as np
 
 from .._devices import rank_device
 from .._errors import BackendUnavailableError, InvalidArgumentError, UsageError
-from ._base import PeerLost, WaitTimeout
 from ._hier import build_hierarchy
+from ._torchdist import TorchRequest, end_group, group_dist
 from ._torchsetup import (
     Rendezvous,
     diagnose,
@@ -37,46 +37,12 @@ from ._wait import poll
 
 __all__ = ["TorchBackend"]
 
-_TEARDOWN_S = 2.0  # destroying the process group may block on a peer that is gone: then give up
-
-
-class _Request:
-    """A ``Work`` in flight plus what turns its buffers into the user's result."""
-
-    __slots__ = ("_backend", "_work", "_finish", "_done", "_result", "_error")
-
-    def __init__(self, backend: TorchBackend, work: Any, finish: Callable[[], Any],
-                 error: Exception | None = None) -> None:
-        self._backend, self._work, self._finish, self._error = backend, work, finish, error
-        self._done = False
-        self._result: Any = None
-
-    def test(self) -> bool:
-        if self._done or self._error is not None:
-            return True
-        if not self._work.is_completed():
-            return False
-        try:
-            self.wait(1.0)
-        except (WaitTimeout, PeerLost) as exc:  # kept for wait(), where the front end expects it
-            self._error = exc
-        return True
-
-    def wait(self, timeout: float) -> Any:
-        if not self._done:
-            if self._error is not None:
-                raise self._error
-            self._backend._wait(self._work, timeout)
-            self._result = self._finish()
-            self._done = True
-            self._work = self._finish = None  # drop buffer references
-        return self._result
-
-
 class TorchBackend:
     """Backend over torch.distributed (gloo or NCCL); see the module docstring."""
 
     _made = 0  # backends made in this process: separates the store keys of successive worlds
+    _rendezvous: Rendezvous | None = None  # phalanx's own meeting (when it made the process group)
+    _group: Any = None  # a subgroup backend's process group (None: the world's)
 
     def __init__(self, name: str | None, *, timeout: float, devices: list[Any] | None = None) -> None:
         torch = import_torch()
@@ -122,14 +88,31 @@ class TorchBackend:
         if meeting is not None:
             self._init_group(name, timeout, meeting)
         self.hierarchy = build_hierarchy(self, meeting.hosts, timeout) if meeting is not None else None
+        self._bind(dist, None)
+
+    def _bind(self, dist: Any, group: Any) -> None:
+        """Make every call through ``dist``: torch.distributed, or a group's view of it (``group``)."""
+        self._dist, self._group = dist, group
         ops = dist.ReduceOp  # on bool, MIN is logical and and MAX logical or, on gloo and NCCL alike
         self._ops = {"sum": ops.SUM, "prod": ops.PRODUCT, "min": ops.MIN, "max": ops.MAX,
                      "avg": ops.AVG if self._nccl else ops.SUM}
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         self._chk = np.zeros(2, np.int64)  # agree()'s buffer: NumPy writes cost less than tensor writes
-        self._chk_t = torch.from_numpy(self._chk)
+        self._chk_t = self._torch.from_numpy(self._chk)
         self._chk_dev = self._chk_t.to(self.device)
+
+    def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float) -> TorchBackend | None:
+        """The backend of group ``ranks`` (world ranks) on a member, None elsewhere: this backend's
+        device, store and options over the group's process group (see :meth:`Backend.subgroup`)."""
+        view = group_dist(self._dist, ranks, self.rank, timeout, self.device if self._nccl else None)
+        if view is None:
+            return None
+        sub = copy.copy(self)  # the hierarchy stays the world's (it serves only the world: _hier)
+        sub._owns_group, sub._rendezvous, sub._prefix = False, None, f"{self._prefix}group{serial}/"
+        sub.rank, sub.size = ranks.index(self.rank), len(ranks)
+        sub._bind(view, view.group)
+        return sub
 
     def __repr__(self) -> str:
         return f"<phalanx {self.name} backend rank {self.rank}/{self.size}>"
@@ -250,14 +233,14 @@ class TorchBackend:
         else:
             work.wait(timedelta(seconds=timeout))
 
-    def _request(self, post: Callable[[], Any], finish: Callable[[], Any]) -> _Request:
+    def _request(self, post: Callable[[], Any], finish: Callable[[], Any]) -> TorchRequest:
         try:
-            return _Request(self, post(), finish)
+            return TorchRequest(self._wait, post(), finish)
         except RuntimeError as exc:  # a failure to post is raised by wait(), like any other
             failure = translate(exc)
             if failure is None:
                 raise
-            return _Request(self, None, finish, failure)
+            return TorchRequest(self._wait, None, finish, failure)
 
     # -- agreement ------------------------------------------------------------
     @translating
@@ -272,7 +255,7 @@ class TorchBackend:
             self._chk_t.copy_(self._chk_dev)
         return bool(chk[0] == signature and chk[1] == -signature)
 
-    def iagree(self, signature: int) -> _Request:
+    def iagree(self, signature: int) -> TorchRequest:
         mine = self._torch.tensor([signature, -signature], dtype=self._torch.int64)
         out = mine.to(self.device, copy=True)
         return self._request(lambda: self._dist.all_reduce(out, self._dist.ReduceOp.MAX, async_op=True),
@@ -312,7 +295,7 @@ class TorchBackend:
             return hier.all_reduce(t, self._ops[op])
         return self._dist.all_reduce(t, self._ops[op], async_op=True)
 
-    def iallreduce(self, x: Any, op: str, inplace: bool) -> _Request:
+    def iallreduce(self, x: Any, op: str, inplace: bool) -> TorchRequest:
         t, finish = self._work(x, inplace, op)
 
         def complete() -> Any:
@@ -327,7 +310,7 @@ class TorchBackend:
         self._wait(self._dist.broadcast(self._bits(t), root, async_op=True), timeout)
         return finish(t)
 
-    def ibroadcast(self, x: Any, root: int, inplace: bool) -> _Request:
+    def ibroadcast(self, x: Any, root: int, inplace: bool) -> TorchRequest:
         t, finish = self._work(x, inplace)
         return self._request(lambda: self._dist.broadcast(self._bits(t), root, async_op=True),
                              lambda: finish(t))
@@ -389,21 +372,16 @@ class TorchBackend:
 
     # -- lifecycle --------------------------------------------------------------
     def shutdown(self) -> None:
-        """Destroy the process group if this backend made it (a user's own is left alone).
+        """Destroy the process group if this backend made it (a user's own is left alone), or the
+        group's of a :meth:`subgroup` backend (the world's is left alone).
 
         In a thread, given up after a few seconds: after a failure, destroying the
         group can block on a peer that is gone or cut off, and leaving must not.
         """
         atexit.unregister(self.shutdown)
-        if self._owns_group and self._dist.is_initialized():
-            def destroy() -> None:
-                with contextlib.suppress(Exception):  # destroying after a failure may itself fail
-                    self._dist.destroy_process_group()
-
-            thread = threading.Thread(target=destroy, name="phalanx-teardown", daemon=True)
-            thread.start()
-            thread.join(_TEARDOWN_S)
-        if getattr(self, "_rendezvous", None) is not None:  # its guard: nothing of it listens after this
+        if (self._owns_group or self._group is not None) and self._dist.is_initialized():
+            end_group(self._dist, self._group)
+        if self._rendezvous is not None:  # its guard: nothing of it listens after this
             self._rendezvous.close()
         self._store = None
 

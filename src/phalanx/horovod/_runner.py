@@ -1,11 +1,11 @@
 """``phalanx.horovod.run``: a function on N ranks, through ``phalanx run``'s launcher.
 
 The driver writes the function and its arguments into a call directory
-(cloudpickle when installed, so lambdas and closures travel; else pickle, by
-reference to an importable module-level function), builds the job from the
-same flags ``phalanx run`` takes, and starts every rank as
-``python -m phalanx.horovod._runner CALL_DIR``. Each rank runs the function
-and leaves ``result-rank<r>.pkl``, or ``error-rank<r>.json`` with its
+(:mod:`phalanx.launch._call`'s protocol; cloudpickle when installed, so lambdas
+and closures travel; else pickle, by reference to an importable module-level
+function), builds the job from the same flags ``phalanx run`` takes, and starts
+every rank as ``python -m phalanx.horovod._runner CALL_DIR``. Each rank runs the
+function and leaves ``result-rank<r>.pkl``, or ``error-rank<r>.json`` with its
 traceback, then re-raises so that the launcher ends the job as usual. The
 call directory lives in the temporary directory when every rank runs here,
 and in the working directory when hosts are given (it must then be on a file
@@ -27,6 +27,8 @@ from typing import Any
 
 from .._errors import JobFailedError
 from .._files import write_atomically
+from ..launch._call import leave_result, load_call, missing_results, results
+from ..launch._call import write_call as _write_call
 
 __all__ = ["collect", "main", "write_call"]
 
@@ -60,12 +62,9 @@ def write_call(call_dir: str, fn: Callable[..., Any], args: Sequence[Any], kwarg
     if _pickler is not None:
         payload = _pickler.dumps((fn, tuple(args), dict(kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
     else:
-        call["reference"] = _reference(fn)
+        call.update(_reference(fn))
         payload = pickle.dumps((None, tuple(args), dict(kwargs)), protocol=pickle.HIGHEST_PROTOCOL)
-    with open(os.path.join(call_dir, "call.json"), "w") as f:
-        json.dump(call, f)
-    with open(os.path.join(call_dir, "call.pkl"), "wb") as f:
-        f.write(payload)
+    _write_call(call_dir, call, payload)
 
 
 def call_dir_for(remote: bool) -> str:
@@ -76,13 +75,9 @@ def call_dir_for(remote: bool) -> str:
 
 def collect(call_dir: str, n: int, code: int, what: str) -> list[Any]:
     """The ranks' results in rank order, or JobFailedError naming the first rank that failed."""
-    paths = [os.path.join(call_dir, f"result-rank{r}.pkl") for r in range(n)]
-    if code == 0 and all(os.path.exists(p) for p in paths):
-        results = []
-        for path in paths:
-            with open(path, "rb") as f:
-                results.append(pickle.load(f))  # noqa: S301 - written by this job's own ranks
-        return results
+    returned = results(call_dir, n) if code == 0 else None
+    if returned is not None:
+        return returned
     errors = []
     for r in range(n):
         try:
@@ -97,7 +92,7 @@ def collect(call_dir: str, n: int, code: int, what: str) -> list[Any]:
         message = (f"{what}: rank {first['rank']} raised {first['type']}: {first['message']}{also}; the job "
                    f"was stopped (exit status {code}). Its traceback:\n{first['traceback'].rstrip()}")
     elif code == 0:
-        missing = [r for r, p in enumerate(paths) if not os.path.exists(p)]
+        missing = missing_results(call_dir, n)
         message = (f"{what}: ranks {missing} returned no result (did the function call sys.exit or os._exit?); "
                    "every rank must return from it.")
     else:
@@ -112,20 +107,7 @@ def remove(call_dir: str) -> None:
 
 # -- on every rank ------------------------------------------------------------------------------
 def _load(call_dir: str) -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
-    with open(os.path.join(call_dir, "call.json")) as f:
-        call = json.load(f)
-    sys.path.extend(p for p in call["sys_path"] if p not in sys.path)
-    ref = call.get("reference")
-    fn = None
-    if ref is not None:
-        from ..launch._call import load_module, resolve
-
-        module = load_module(ref["file"], ref["module"])
-        if ref["module"] == "__main__":
-            sys.modules["__main__"] = module  # arguments pickled from the driver's __main__ find their classes
-        fn = resolve(module, ref["qualname"])
-    with open(os.path.join(call_dir, "call.pkl"), "rb") as f:
-        loaded, args, kwargs = pickle.load(f)  # noqa: S301 - written by this job's driver
+    _, fn, (loaded, args, kwargs) = load_call(call_dir)
     return (fn if fn is not None else loaded), args, kwargs
 
 
@@ -144,8 +126,7 @@ def main(call_dir: str) -> None:
         with write_atomically(os.path.join(call_dir, f"error-rank{rank}.json"), "w", durable=False) as f:
             json.dump(record, f)
         raise
-    with write_atomically(os.path.join(call_dir, f"result-rank{rank}.pkl"), durable=False) as f:
-        (_pickler or pickle).dump(result, f, protocol=pickle.HIGHEST_PROTOCOL)  # cloudpickle: classes by value too
+    leave_result(call_dir, rank, result, (_pickler or pickle).dump)  # cloudpickle: classes by value too
     import phalanx
 
     if phalanx.initialized():

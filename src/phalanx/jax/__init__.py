@@ -15,7 +15,9 @@
         updates, opt_state = tx.update(grads, opt_state, params)   # reduces inside jit
         return optax.apply_updates(params, updates), opt_state
 
-Importing this module imports jax and optax (``import phalanx`` does not).
+Importing this module imports jax (``import phalanx`` does not); optax is imported
+when ``DistributedOptimizer`` or ``distributed`` is first used, so the collectives
+and ``phalanx.allreduce_gradients`` on JAX pytrees need only jax.
 ``synchronize``, the collectives and ``DistributedDataContainer`` are phalanx's
 own (they accept JAX arrays and pytrees); ``allreduce`` and
 ``allreduce_gradients`` also work inside ``jax.jit``. ``initialize_distributed``
@@ -24,6 +26,8 @@ collectives. See docs/jax.md.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from .. import (
     DistributedDataContainer,
@@ -45,7 +49,20 @@ from .. import (
 )
 from ._api import allreduce, allreduce_gradients
 from ._distributed import initialize_distributed, process_mesh
-from ._optax import DistributedOptimizer, distributed
+
+if TYPE_CHECKING:  # imported on first use (below): optax is needed only for these two
+    from ._optax import DistributedOptimizer, distributed
+
+_OPTAX_NAMES = ("DistributedOptimizer", "distributed")
+
+
+def __getattr__(name: str) -> Any:
+    # Python's module protocol: an unknown attribute must raise AttributeError (hasattr, import *).
+    if name in _OPTAX_NAMES:
+        from . import _optax
+
+        return getattr(_optax, name)
+    raise AttributeError(f"module 'phalanx.jax' has no attribute {name!r}")
 
 __all__ = [
     "DistributedDataContainer",

@@ -7,8 +7,9 @@ from typing import Any
 import phalanx
 
 from .._errors import InvalidArgumentError
-from .._pytrees import COMPRESSIONS, has_jax_leaves, reduce_jax_tree
+from .._gradients import check_gradient_op, has_jax_leaves
 from ._jit import is_traced, traced_allreduce, traced_reduce_tree
+from ._pytrees import COMPRESSIONS, reduce_jax_tree
 
 __all__ = ["allreduce", "allreduce_gradients"]
 
@@ -33,9 +34,7 @@ def allreduce_gradients(grads: Any, op: str = "avg", *, group: Any = None,
     (ranks differ in structure, shape or dtype; on every rank), CollectiveTimeoutError,
     RankFailedError.
     """
-    if op not in ("avg", "sum"):
-        raise InvalidArgumentError(f"phalanx.jax.allreduce_gradients(op={op!r}): use op='avg' (the mean "
-                                   "over ranks, the default) or op='sum'.")
+    check_gradient_op("jax.allreduce_gradients", op)
     if compression not in COMPRESSIONS:
         raise InvalidArgumentError(f"phalanx.jax.allreduce_gradients(compression={compression!r}): use "
                                    "None, 'fp16' or 'bf16'.")
@@ -43,8 +42,7 @@ def allreduce_gradients(grads: Any, op: str = "avg", *, group: Any = None,
         return traced_reduce_tree(grads, op, group, compression)
     if has_jax_leaves(grads):
         return reduce_jax_tree(grads, op, group, compression)
-    kwargs = {} if group is None else {"group": group}
-    return phalanx.allreduce_gradients(grads, op, **kwargs)
+    return phalanx.allreduce_gradients(grads, op, group=group)
 
 
 def allreduce(x: Any, op: str = "sum", *, group: Any = None, step: int | None = None) -> Any:
@@ -57,5 +55,4 @@ def allreduce(x: Any, op: str = "sum", *, group: Any = None, step: int | None = 
     """
     if is_traced(x):
         return traced_allreduce(x, op, group)
-    kwargs: dict[str, Any] = {} if group is None else {"group": group}
-    return phalanx.allreduce(x, op, step=step, **kwargs)
+    return phalanx.allreduce(x, op, step=step, group=group)

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from .._pytrees import COMPRESSIONS, agree_structure, reduce_host, structure_entries
+from ._pytrees import COMPRESSIONS, agree_structure, reduce_host, structure_entries
 
 __all__ = ["is_traced", "traced_allreduce", "traced_reduce_tree"]
 
@@ -53,7 +53,7 @@ def traced_reduce_tree(tree: Any, op: str = "avg", group: Any = None, compressio
         if isinstance(x, (jax.Array, np.ndarray)):
             by_dtype.setdefault(jnp.asarray(x).dtype, []).append(i)
     # The structure check runs in the first callback (once per structure, as eagerly).
-    entries = structure_entries(jax, [pairs[i] for members in by_dtype.values() for i in members])
+    entries: list[tuple[str, str, list[int]]] | None = structure_entries(jax, [pairs[i] for members in by_dtype.values() for i in members])
     out = list(leaves)
     for dtype, members in by_dtype.items():
         shapes = [tuple(jnp.shape(leaves[i])) for i in members]

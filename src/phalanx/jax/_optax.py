@@ -29,8 +29,9 @@ from typing import Any
 import optax
 
 from .._errors import InvalidArgumentError
-from .._pytrees import COMPRESSIONS
+from .._gradients import check_gradient_op
 from ._api import allreduce_gradients
+from ._pytrees import COMPRESSIONS
 
 __all__ = ["DistributedOptimizer", "distributed"]
 
@@ -56,9 +57,7 @@ def distributed(tx: Any = None, op: str = "avg", compression: str | None = None,
     micro-steps that apply the update (module docstring). Raises
     InvalidArgumentError for another op or compression.
     """
-    if op not in ("avg", "sum"):
-        raise InvalidArgumentError(f"phalanx.jax.distributed(op={op!r}): use op='avg' (the mean over ranks, "
-                                   "the default) or op='sum'.")
+    check_gradient_op("jax.distributed", op)
     if compression not in COMPRESSIONS:
         raise InvalidArgumentError(f"phalanx.jax.distributed(compression={compression!r}): use None, "
                                    "'fp16' or 'bf16'.")

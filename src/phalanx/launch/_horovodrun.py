@@ -21,6 +21,7 @@ import shlex
 import sys
 
 from .._errors import LaunchError
+from ._job import DEFAULT_START_TIMEOUT, seconds_from_env
 
 __all__ = ["UNSUPPORTED", "VALUED", "add_horovodrun_options", "apply_horovodrun", "check_supported", "describe_job",
            "job_env", "ssh_rsh", "strip_python"]
@@ -166,12 +167,7 @@ def apply_horovodrun(args: argparse.Namespace) -> None:
         args.timeout = args.gloo_timeout_seconds
     if args.start_timeout is None and os.environ.get("HOROVOD_START_TIMEOUT", "").strip() \
             and not os.environ.get("PHALANX_START_TIMEOUT", "").strip():
-        text = os.environ["HOROVOD_START_TIMEOUT"].strip()
-        try:
-            args.start_timeout = float(text)
-        except ValueError:
-            raise LaunchError(f"phalanx run: HOROVOD_START_TIMEOUT={text!r} is not a number of seconds; set it "
-                              "to e.g. 60, or unset it.") from None
+        args.start_timeout = seconds_from_env("HOROVOD_START_TIMEOUT", DEFAULT_START_TIMEOUT)
     if args.timeline_mark_cycles and not args.timeline_filename:
         raise LaunchError("phalanx run --timeline-mark-cycles: it marks cycles in the timeline; give the file "
                           "too, e.g. --timeline-filename timeline.json.")

@@ -19,6 +19,7 @@ from types import FrameType
 
 from .._errors import LaunchError
 from .._net import is_local_address
+from .._settings import env_seconds
 from ._hostlist import Host, as_hosts
 from ._procs import signal_name
 
@@ -38,18 +39,7 @@ _BATCH_SYSTEMS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "PE_HOSTFILE", "COBA
 
 def seconds_from_env(name: str, default: float, *, zero_ok: bool = False) -> float:
     """``$name`` as seconds (``default`` when unset or empty); a bad value is a :class:`LaunchError`."""
-    value = os.environ.get(name, "").strip()
-    if not value:
-        return default
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = float("nan")
-    if not (seconds >= 0 if zero_ok else seconds > 0) or seconds == float("inf"):
-        least = "0 or more" if zero_ok else "more than 0"
-        raise LaunchError(f"phalanx run: {name}={value!r} is not a number of seconds ({least}); set it to e.g. "
-                          f"{name}={default:g} (the default), or unset it.")
-    return seconds
+    return env_seconds(name, default, zero_ok=zero_ok, call="phalanx run: ", error=LaunchError)
 
 
 @dataclass
@@ -71,7 +61,7 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the ranks
     stop_grace: float | None = None  # after a user's Ctrl-C/SIGTERM, before SIGKILL
     start_timeout: float | None = None  # every rank must reach phalanx.init within it (only when all_local)
-    nnodes: int = 1  # gloo/nccl: hosts of the job, one launcher each (._nodes, torchrun's convention)
+    nnodes: int = 1  # gloo/nccl: hosts of the job, one launcher each (._on_each_host, torchrun's convention)
     node_rank: int = 0  # this launcher's host among them (its ranks: node_rank * n + 0..n-1)
     master: str | None = None  # HOST[:PORT] where rank 0 serves the rendezvous (default port 29500)
     iface: str | None = None  # network interface for the ranks (PHALANX_IFACE; default: the route to master)

@@ -21,10 +21,10 @@ import tempfile
 
 from .._errors import LaunchError
 from ._elastic import check_elastic, run_elastic
+from ._from_one_host import torch_runner
 from ._job import Launch, Signals, notice, rank_env
 from ._mpiexec import run_mpi
-from ._multinode import torch_runner
-from ._nodes import check_nodes
+from ._on_each_host import check_nodes
 from ._procs import signal_name
 
 __all__ = ["launch"]

@@ -1,6 +1,6 @@
 """The per-host launcher of a ``phalanx run --hosts`` job: ``python -m phalanx.launch._remote``.
 
-The driver (:mod:`._multinode`) starts one on every host, through ssh or ``--rsh``,
+The driver (:mod:`._from_one_host`) starts one on every host, through ssh or ``--rsh``,
 and talks to it over its stdin and stderr only, so that nothing secret is ever on
 a command line (which every user of the host can read with ``ps``):
 
@@ -36,7 +36,7 @@ from typing import Any
 from .._errors import LaunchError
 from .._net import describe_interfaces, interface_address, is_loopback, resolve, route_source
 from ._job import Launch, Signals, rank_env
-from ._nodes import MARK, parse_master, rank_placement
+from ._on_each_host import MARK, parse_master, rank_placement
 from ._spawn import Outcome, free_port, run_spawn
 
 __all__ = ["main"]
@@ -164,7 +164,7 @@ class _Quiet:
 
 
 def main() -> int:
-    """Read the job from stdin and run this host's ranks (the driver's side: :mod:`._multinode`)."""
+    """Read the job from stdin and run this host's ranks (the driver's side: :mod:`._from_one_host`)."""
     sys.stderr = _Quiet(sys.stderr)  # type: ignore[assignment]
     stdin = _Stdin()
     try:

@@ -9,13 +9,17 @@ death (a peer lost, a broken world) count only when nothing else explains the jo
 
 from __future__ import annotations
 
+import math
 import signal
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ._procs import signal_name
 
-__all__ = ["ECHOES", "Death", "describe_exit", "failure_report", "first_failure"]
+__all__ = ["ECHOES", "Death", "describe_exit", "earliest", "failure_report", "first_failure"]
+
+T = TypeVar("T")
 
 # Errors a rank raises because *another* rank failed: never the root cause when one is known.
 ECHOES = ("RankFailedError", "WorldBrokenError", "DistBackendError")
@@ -38,15 +42,24 @@ def describe_exit(code: int) -> str:
 
 def first_failure(records: dict[int, dict[str, Any]], deaths: dict[int, Death]) -> int | None:
     """The rank whose failure came first (see module docstring), or None."""
-    causes: list[tuple[float, int]] = []
-    echoes: list[tuple[float, int]] = []
-    for rank, record in records.items():
-        (echoes if record.get("type") in ECHOES else causes).append((float(record.get("time", 0)), rank))
-    for rank, death in deaths.items():
-        if rank not in records and death.code not in (None, 0) and not death.by_launcher:
-            causes.append((death.at or float("inf"), rank))
-    ranked = sorted(causes) or sorted(echoes)
-    return ranked[0][1] if ranked else None
+    failures: list[tuple[int, str | None, float | None]] = []
+    for rank in sorted(set(records) | set(deaths)):
+        if rank in records:
+            failures.append((rank, records[rank].get("type"), float(records[rank].get("time", 0))))
+        elif deaths[rank].code not in (None, 0) and not deaths[rank].by_launcher:
+            failures.append((rank, None, deaths[rank].at))
+    return earliest(failures)
+
+
+def earliest(failures: Iterable[tuple[T, str | None, float | None]]) -> T | None:
+    """Who failed first among ``failures`` (``(who, error type or None, time or None)``), or None.
+
+    An error of one's own comes before any that only echoes another's death (:data:`ECHOES`);
+    then the earliest time wins (an unknown time counts last), then the first in ``failures``.
+    """
+    found = list(failures)
+    ranked = [(kind in ECHOES, math.inf if at is None else at, i) for i, (_, kind, at) in enumerate(found)]
+    return found[min(ranked)[2]][0] if ranked else None
 
 
 def failure_report(first: int | None, start: float, records: dict[int, dict[str, Any]],

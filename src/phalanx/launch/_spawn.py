@@ -7,7 +7,7 @@ its own process group, so stopping a rank also stops what it started
 exits non-zero, dies by a signal or records an exception ends the job:
 SIGTERM to every other rank's group, SIGKILL after a grace period. So does
 the start timeout (:mod:`._start`) when a rank has not reached ``phalanx.init``.
-On several hosts (:mod:`._nodes`, :mod:`._remote`) the ranks started here are a
+On several hosts (:mod:`._on_each_host`, :mod:`._remote`) the ranks started here are a
 :class:`Placement` in a larger world, and the job also ends when the driver is lost.
 """
 

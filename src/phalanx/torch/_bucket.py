@@ -13,6 +13,18 @@ and device (allocated once; ``.grad`` is a view into them); a
 in bucket order, and an autograd-engine callback waits for all at the end of
 backward. Why each choice, and what was measured: ``docs/design.md``
 ("Gradient reduction").
+
+Extension points (``torch/_engine_hooks.py`` has the cycle in order)::
+
+    GradientBuckets(..., prescale=f)     # the factor on each rank's gradients before the sum
+    engine.pass_hooks                    # [fn(engine)]: each backward pass, before it touches the cycle
+    engine.reduction_hooks               # [fn(engine)]: once per reduction, before anything is sent
+    engine.reducer                       # launch/flush/complete: how a bucket is reduced (allreduce)
+    engine.bucket_hooks                  # [fn(engine, bucket)]: each bucket, once reduced
+
+A reducer or hook reads ``engine.buckets`` (:class:`~._bucket_hot.Bucket`),
+``engine.views`` (each parameter's gradient view), ``engine.params``,
+``engine.world`` and ``engine.call``; the rest is private.
 """
 
 from __future__ import annotations
@@ -29,12 +41,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _trace
 from .._errors import InvalidArgumentError, UsageError
+from .._gradients import check_gradient_op
 from .._groups import world_for
 from ._bucket_hot import Bucket as _Bucket
 from ._bucket_hot import adopt_scaled, scale_unscaled
-from ._common import Compression, GradientOp, backend_call, verify_same_structure
+from ._bucket_layout import lay_out
+from ._common import Compression, GradientOp, verify_same_structure
+from ._engine_hooks import BucketHook, EngineHook, Reducer, reducer_for
 from ._finite import NonFinitePolicy, any_set, check_and_scale, nonfinite_error, ranks_with
-from ._powersgd import DEFERRED, attach_powersgd, is_powersgd
+from ._powersgd import is_powersgd
 
 __all__ = ["GradientBuckets", "check_options"]
 
@@ -46,9 +61,7 @@ _OWNER = WeakIdKeyDictionary()
 
 def check_options(call: str, op: Any, bucket_cap_mb: Any, compression: Any) -> None:
     """Raise InvalidArgumentError naming ``call`` for an op, bucket size or compression it cannot use."""
-    if op not in ("avg", "sum"):
-        raise InvalidArgumentError(f"phalanx.{call}(op={op!r}): gradients are averaged (op='avg', the "
-                                   "default) or summed (op='sum').")
+    check_gradient_op(call, op)
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         raise InvalidArgumentError(f"phalanx.{call}(bucket_cap_mb={bucket_cap_mb!r}): give the bucket size "
                                    "in MB as a positive number (default 25).")
@@ -70,29 +83,33 @@ class GradientBuckets:
             count, as ``no_sync()`` does).
         group: a :class:`phalanx.Group` to reduce over (its members only; ``avg``
             is the mean over the group), or None for the whole world.
+        prescale: the factor on each rank's own gradients before the sum
+            (default ``1/size`` with ``avg``, else 1), fixed at construction.
 
-    Internal: the wrappers own one each; users never build it.
+    The wrappers own one each (their ``engine`` property); the extension
+    points (``reducer``, ``pass_hooks``, ``reduction_hooks``,
+    ``bucket_hooks``) are in the module docstring.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], *, call: str, op: GradientOp = "avg",
                  bucket_cap_mb: float = 25, compression: Compression | None = None,
-                 passes_per_reduction: int = 1, group: Any = None) -> None:
+                 passes_per_reduction: int = 1, group: Any = None, prescale: float | None = None) -> None:
         check_options(call, op, bucket_cap_mb, compression)
         self.call = call
-        self._world = world = world_for(group, call)
+        self.world = world = world_for(group, call)  # public, as params, buckets, views: hooks read them
         pairs = [(p, n) for p, n in zip(params, names, strict=True) if p.requires_grad]
-        self._params = [p for p, _ in pairs]
+        self.params = [p for p, _ in pairs]
         verify_same_structure(call, [f"{n} {str(p.dtype)[6:]}{list(p.shape)} {p.device.type}"
                                      for p, n in pairs], group=group)
-        self._scale = 1.0 / world.size if op == "avg" else 1.0
+        self.prescale = float(prescale) if prescale is not None else 1.0 / world.size if op == "avg" else 1.0
         self.sync = True
         self.passes_per_reduction = passes_per_reduction
-        self._build(bucket_cap_mb, _COMPRESSION.get(compression) if compression else None)
-        count = len(self._params)
+        self._build(bucket_cap_mb, _COMPRESSION.get(compression) if isinstance(compression, str) else None)
+        count = len(self.params)
         self._stamp = [-1] * count  # the cycle in which each parameter was marked ready
         self._scaled = [-1] * count  # the cycle in which _adopt wrote its gradient already scaled
         self._cycle = 0
-        self._remaining = [len(b.params) for b in self._buckets]
+        self._remaining = [len(b.params) for b in self.buckets]
         self._launched = 0  # buckets launched in the open cycle (always a prefix)
         self._tested = 0    # buckets known complete in the open cycle (a prefix)
         self._open = False  # a reduction cycle has started and not finished
@@ -109,66 +126,35 @@ class GradientBuckets:
         self.check_steps = False  # agree on step_label before each reduction
         self.step_label = 0  # the step the next reduction belongs to
         self.steps_by_reduction = True  # each reduction advances step_label (DistributedOptimizer: step())
+        self.pass_hooks: list[EngineHook] = []
+        self.reduction_hooks: list[EngineHook] = []
+        self.bucket_hooks: list[BucketHook] = []
         self._claim()
-        self._powersgd = attach_powersgd(compression, self)  # None unless PowerSGD: it reduces in _finish
+        self.reducer: Reducer = reducer_for(compression, self)
         ref = weakref.ref(self)
         handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref, i))
-                   for i, p in enumerate(self._params)]
+                   for i, p in enumerate(self.params)]
         self._finalizer = weakref.finalize(self, _remove, handles)
 
     # -- layout ---------------------------------------------------------------
     def _build(self, cap_mb: float, wire_dtype: torch.dtype | None) -> None:
-        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-        sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-        made: dict[tuple[torch.dtype, torch.device], int] = {}
-        closed: list[tuple[int, list[int]]] = []  # (order of opening, indices)
-        opened: dict[tuple[torch.dtype, torch.device], int] = {}
-        serial = 0
-        for i in reversed(range(len(self._params))):
-            p = self._params[i]
-            key = (p.dtype, p.device)
-            if key not in groups:
-                groups[key], sizes[key], opened[key] = [], 0, serial
-                serial += 1
-            groups[key].append(i)
-            sizes[key] += p.numel() * p.element_size()
-            limit = (min(FIRST_BUCKET_MB, cap_mb) if made.get(key, 0) == 0 else cap_mb) * 2**20
-            if sizes[key] >= limit:
-                closed.append((opened[key], groups.pop(key)))
-                made[key] = made.get(key, 0) + 1
-        closed.extend((opened[k], g) for k, g in groups.items())
-        closed.sort(key=lambda t: t[0])
-        self._buckets: list[_Bucket] = []
-        self._bucket_of = [0] * len(self._params)
-        self._views: list[torch.Tensor] = [torch.empty(0)] * len(self._params)
-        for b, (_, indices) in enumerate(closed):
-            first = self._params[indices[0]]
-            numel = sum(self._params[i].numel() for i in indices)
-            flat = torch.zeros(numel + len(indices) + 1, dtype=first.dtype, device=first.device)
-            offset = 0
-            for i in indices:
-                p = self._params[i]
-                self._views[i] = flat[offset:offset + p.numel()].view(p.shape)
-                self._bucket_of[i] = b
-                offset += p.numel()
-            compress = wire_dtype is not None and first.dtype.itemsize > 2
-            wire = torch.empty(flat.numel(), dtype=wire_dtype, device=first.device) if compress else None
-            self._buckets.append(_Bucket(indices, flat, numel, wire))
-        self._factors = {device: (torch.full((1,), self._scale, dtype=torch.float32, device=device),
+        self.buckets, self._bucket_of, self.views = lay_out(self.params, cap_mb=cap_mb, first_mb=FIRST_BUCKET_MB,
+                                                            wire_dtype=wire_dtype)
+        self._factors = {device: (torch.full((1,), self.prescale, dtype=torch.float32, device=device),
                                   torch.ones(1, dtype=torch.float32, device=device))
-                         for device in {b.flat.device for b in self._buckets}}
+                         for device in {b.flat.device for b in self.buckets}}
 
     @property
     def bucket_sizes(self) -> list[int]:
         """Bytes of gradients per bucket, in launch order (for tests and tuning)."""
-        return [b.grads.numel() * b.flat.element_size() for b in self._buckets]
+        return [b.grads.numel() * b.flat.element_size() for b in self.buckets]
 
     def _claim(self) -> None:
         """Make this engine the only one reducing its parameters (a newer wrapper takes over)."""
-        older = {id(e): e for p in self._params if (e := _OWNER.get(p)) is not None and not e.closed}
+        older = {id(e): e for p in self.params if (e := _OWNER.get(p)) is not None and not e.closed}
         for engine in older.values():
-            mine = {id(p) for p in self._params}
-            if any(id(p) not in mine for p in engine._params):
+            mine = {id(p) for p in self.params}
+            if any(id(p) not in mine for p in engine.params):
                 raise UsageError(
                     f"phalanx.{self.call}: some of these parameters are already reduced by a "
                     f"phalanx.{engine.call} that also reduces others. Wrap either the model "
@@ -178,7 +164,7 @@ class GradientBuckets:
             warnings.warn(f"phalanx.{self.call} takes over the gradient reduction of parameters that an "
                           f"earlier phalanx.{engine.call} reduced; the earlier wrapper no longer reduces "
                           "them (wrap either the model or the optimizer, not both).", stacklevel=4)
-        for p in self._params:
+        for p in self.params:
             _OWNER[p] = self
 
     @property
@@ -199,19 +185,21 @@ class GradientBuckets:
             self._begin_pass(task)
         if not self._syncing or self._stamp[i] == self._cycle:
             return
-        if p.grad is not self._views[i]:
+        if p.grad is not self.views[i]:
             self._adopt(i, p)
         self._stamp[i] = self._cycle
         b = self._bucket_of[i]
         left = self._remaining[b] - 1
         self._remaining[b] = left
         if left == 0 and b == self._launched:
-            while self._launched < len(self._buckets) and self._remaining[self._launched] == 0:
+            while self._launched < len(self.buckets) and self._remaining[self._launched] == 0:
                 self._launch(self._launched)
         elif self._tested < self._launched:
             self._progress()
 
     def _begin_pass(self, task: int) -> None:
+        for hook in self.pass_hooks:
+            hook(self)
         if self._open:  # an earlier pass left its cycle open (a nested or aborted backward): close it
             self._finish()
         self._task = task
@@ -229,27 +217,27 @@ class GradientBuckets:
 
     def _adopt(self, i: int, p: torch.Tensor) -> None:
         """Copy a gradient autograd made into the bucket, scaled (one pass), and point ``.grad`` at the view."""
-        adopt_scaled(self._views[i], p.grad, self._scale)  # type: ignore[arg-type]
+        adopt_scaled(self.views[i], p.grad, self.prescale)  # type: ignore[arg-type]
         self._scaled[i] = self._cycle
-        p.grad = self._views[i]
+        p.grad = self.views[i]
 
     def _progress(self) -> None:
         t = self._tested
-        while t < self._launched and self._buckets[t].request.test():
+        while t < self._launched and self.buckets[t].request.test():
             if _trace.ON:
-                _trace.bucket_done(self._buckets[t])
+                _trace.bucket_done(self.buckets[t])
             t += 1
         self._tested = t
 
     # -- launching and completing ----------------------------------------------
     def _launch(self, b: int) -> None:
-        bucket = self._buckets[b]
+        bucket = self.buckets[b]
         bucket.presence.fill_(1)
         if self._remaining[b]:
             self._fill_missing(bucket)
-        if b == 0 and self.check_steps:
-            self._agree_step()
-        scale = scale_unscaled(bucket, self._views, self._scaled, self._cycle, self._scale)
+        if b == 0 and (self.check_steps or self.reduction_hooks):
+            self._start_reduction()
+        scale = scale_unscaled(bucket, self.views, self._scaled, self._cycle, self.prescale)
         if self._check_finite:  # this rank's own gradients, before they are mixed with the others'
             device = bucket.flat.device
             scale32, one32 = self._factors[device]
@@ -262,14 +250,7 @@ class GradientBuckets:
                 bad.add_(bucket.found)
         elif scale != 1.0:
             bucket.grads.mul_(scale)
-        if self._powersgd is not None:  # prepared; reduced with every other bucket in _finish
-            bucket.request, self._launched, self._open = DEFERRED, b + 1, True
-            return
-        send = bucket.flat if bucket.wire is None else bucket.wire.copy_(bucket.flat)
-        world = self._world
-        bucket.request = backend_call(world, self.call, world.backend.iallreduce, send, "sum", True)
-        if _trace.ON:
-            _trace.bucket_launch(bucket, self.call, b, send, len(bucket.params))
+        bucket.request = self.reducer.launch(self, b)
         self._launched = b + 1
         self._open = True
 
@@ -278,39 +259,37 @@ class GradientBuckets:
         for j, i in enumerate(bucket.params):
             if self._stamp[i] == self._cycle:
                 continue
-            p = self._params[i]
+            p = self.params[i]
             if p.grad is None:
-                self._views[i].zero_()
+                self.views[i].zero_()
                 self._scaled[i] = self._cycle
                 bucket.presence[j] = 0
                 bucket.absent.append(j)
-            elif p.grad is not self._views[i]:
+            elif p.grad is not self.views[i]:
                 self._adopt(i, p)
 
     def _complete(self, bucket: _Bucket) -> None:
-        world = self._world
-        backend_call(world, self.call, bucket.request.wait, world.timeout)
+        self.reducer.complete(self, bucket)
         bucket.request = None
         if _trace.ON:
             _trace.bucket_done(bucket)
-        if bucket.wire is not None:
-            bucket.flat.copy_(bucket.wire)
         if bucket.absent:
             seen = bucket.presence.tolist()
             for j in bucket.absent:
                 if seen[j] > 0:  # another rank had a gradient: this rank gets the reduced one
                     i = bucket.params[j]
-                    self._params[i].grad = self._views[i]
+                    self.params[i].grad = self.views[i]
             bucket.absent = []
+        for hook in self.bucket_hooks:
+            hook(self, bucket)
 
     def _finish(self) -> None:
         """Launch what is not launched yet (in order), wait for everything, close the cycle."""
         try:
-            while self._launched < len(self._buckets):
+            while self._launched < len(self.buckets):
                 self._launch(self._launched)
-            if self._powersgd is not None:
-                self._powersgd.reduce(self)
-            for bucket in self._buckets:
+            self.reducer.flush(self)
+            for bucket in self.buckets:
                 if bucket.request is not None:
                     self._complete(bucket)
         finally:
@@ -324,16 +303,20 @@ class GradientBuckets:
 
     def _close_cycle(self) -> None:
         self._cycle += 1
-        self._remaining = [len(b.params) for b in self._buckets]
+        self._remaining = [len(b.params) for b in self.buckets]
         self._launched = self._tested = 0
         self._open = False
         self._passes = 0
 
-    def _agree_step(self) -> None:
-        """Before the first bucket of a reduction: every rank reduces for the same step (else the same
-        CollectiveMismatchError on every rank, naming each rank's step, before any gradient moves)."""
+    def _start_reduction(self) -> None:
+        """Before the first bucket of a reduction: with ``check_steps`` every rank reduces for the same
+        step (else the same CollectiveMismatchError on every rank, naming each rank's step, before any
+        gradient moves); then the reduction hooks."""
         try:
-            self._world.enter(self.call, None, None, -1, self.step_label)
+            if self.check_steps:
+                self.world.enter(self.call, None, None, -1, self.step_label)
+            for hook in self.reduction_hooks:
+                hook(self)
         except BaseException:
             self._close_cycle()  # nothing was launched: the next backward starts afresh
             raise
@@ -342,12 +325,12 @@ class GradientBuckets:
         """After a reduction: if the summed flags say some rank's own gradients were not finite (the
         same on every rank), name those ranks and raise or drop the gradients, on every rank alike."""
         self.nonfinite_ranks = []
-        if not any_set([b.flag for b in self._buckets]):
+        if not any_set([b.flag for b in self.buckets]):
             return
-        self.nonfinite_ranks = ranks_with(any_set([b.found for b in self._buckets]))
+        self.nonfinite_ranks = ranks_with(any_set([b.found for b in self.buckets]))
         if self.on_nonfinite == "raise":
             raise nonfinite_error(self.call, self.nonfinite_ranks)
-        for p in self._params:  # optimizers skip parameters without a gradient: the step changes nothing
+        for p in self.params:  # optimizers skip parameters without a gradient: the step changes nothing
             p.grad = None
         self.skipped += 1
 
@@ -366,7 +349,7 @@ class GradientBuckets:
     @check_finite.setter
     def check_finite(self, on: bool) -> None:
         if not on and self._check_finite and not self._open:
-            for bucket in self._buckets:  # no stale flag travels while the check is off
+            for bucket in self.buckets:  # no stale flag travels while the check is off
                 bucket.flag.zero_()
         self._check_finite = bool(on)
 

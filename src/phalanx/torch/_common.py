@@ -13,13 +13,10 @@ buckets in the same order by construction.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any, Literal
 
-import numpy as np
-
-from .._collectives import allreduce
+from .._agreement import agree, first_difference
 from .._errors import CollectiveMismatchError
 from .._groups import world_for
 from .._world import World
@@ -33,33 +30,26 @@ Compression = Literal["bf16", "fp16", "powersgd"] | PowerSGD
 """How gradients travel: 16-bit (``"bf16"``/``"fp16"``), low-rank (``"powersgd"`` or a :class:`PowerSGD`),
 or in full precision (``None`` where a signature allows it)."""
 
-_MASK = (1 << 62) - 1
-
 
 def verify_same_structure(call: str, entries: list[str], what: str = "parameter", group: Any = None) -> None:
     """Raise the same CollectiveMismatchError on every rank unless every rank passed ``entries``.
 
-    One small allreduce of a hash; the descriptions are exchanged only when
-    the hashes differ, to name the first differing entry. ``group``: among its members only.
+    One small allreduce of a hash (:func:`phalanx._agreement.agree`); the
+    descriptions are exchanged only when the hashes differ, to name the first
+    differing entry. ``group``: among its members only.
     """
     world = world_for(group, call)
     if world.size == 1:
         return
-    digest = hashlib.blake2b("\n".join(entries).encode(), digest_size=8).digest()
-    mine = int.from_bytes(digest, "little") & _MASK
-    agreed = allreduce(np.array([mine, -mine], np.int64), op="max", group=group)
-    if int(agreed[0]) == mine and int(agreed[1]) == -mine:
+    lists = agree(world, call, entries)
+    if lists is None:
         return
-    lists: list[list[str]] = world.allgather_json(call, entries)
-    longest = max(len(x) for x in lists)
-    first = next((i for i in range(longest)
-                  if len({x[i] if i < len(x) else None for x in lists}) > 1), longest)
-    lines = [f"  rank {r}: {what} #{first}: {x[first] if first < len(x) else '(none: it has only ' + str(len(x)) + ')'}"
-             for r, x in enumerate(lists)]
+    found = first_difference(lists, lambda r, e: e if e is not None else f"(none: it has only {len(lists[r])})")
+    first, lines = (found[0], found[2]) if found is not None else (0, "")
     raise CollectiveMismatchError(
         f"phalanx.{call}: the ranks wrap different {what}s ({', '.join(str(len(x)) for x in lists)} "
         f"on ranks 0..{world.size - 1}), so their gradients cannot be reduced together; nothing was "
-        "sent. The first difference:\n" + "\n".join(lines) + "\n"
+        f"sent. The first difference is {what} #{first}:\n{lines}\n"
         "Every rank must build the same model (same layers, shapes, dtypes and requires_grad flags, "
         "in the same order) before wrapping it, e.g. from the same config on every rank.")
 

@@ -33,7 +33,7 @@ def check_policy(call: str, nonfinite: object) -> NonFinitePolicy | None:
         raise InvalidArgumentError(
             f"phalanx.{call}(nonfinite={nonfinite!r}): use None (no check, the default), 'raise' (every "
             "rank raises NonFiniteGradientError naming the ranks) or 'skip' (every rank skips the step).")
-    return nonfinite  # type: ignore[return-value]
+    return nonfinite
 
 
 def check_and_scale(grads: torch.Tensor, found: torch.Tensor, scale: float, scale32: torch.Tensor,

@@ -27,6 +27,7 @@ from .._groups import Group, world_for
 from .._sync import synchronize
 from ._bucket import GradientBuckets, check_options
 from ._common import Compression, GradientOp
+from ._engine_owner import EngineOwner
 from ._finite import NonFinitePolicy, check_policy
 
 __all__ = ["DistributedOptimizer"]
@@ -34,7 +35,7 @@ __all__ = ["DistributedOptimizer"]
 _CALL = "torch.DistributedOptimizer"
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
     """``optimizer``, with gradients averaged across ranks while backward runs, before every ``step()``.
 
     ::
@@ -52,7 +53,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     (passes under :meth:`no_sync`, fewer than ``backward_passes_per_step``
     passes, or a rank that ran no backward: it sends zeros, releasing its
     peers). Every rank must call ``step()`` (or :meth:`reduce_gradients`)
-    the same number of times.
+    the same number of times. :attr:`engine` is the gradient engine, for code
+    that changes how gradients are reduced.
 
     Arguments:
         optimizer: any plain torch optimizer over the model's parameters.
@@ -122,27 +124,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                        "of backward passes per step as an int >= 1.")
         # Optimizer.__init__ is not called: it would make param_groups and state of its own.
         self.optimizer = optimizer
-        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: dict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._warned_capturable_if_run_uncaptured = True
         self._patch_step_function()
-        self._options = {"op": op, "bucket_cap_mb": bucket_cap_mb, "compression": compression}
+        self._options: dict[str, Any] = {"op": op, "bucket_cap_mb": bucket_cap_mb, "compression": compression}
         self._passes = k
         self._names = {id(p): n for n, p in named_parameters} if named_parameters is not None else {}
-        self._nonfinite = check_policy(_CALL, nonfinite)
+        check_policy(_CALL, nonfinite)
         self._group = group
         self._check_steps = world_for(group, _CALL).debug if check_steps is None else bool(check_steps)
         self._engine = self._make_engine()  # first: it checks that the ranks wrap the same parameters
+        self.nonfinite = nonfinite
         if broadcast_parameters:
             self._broadcast(self._all_params())
         self._reduced_at_step = self._engine.reductions
 
     # -- shared with the wrapped optimizer ---------------------------------------
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
@@ -150,7 +153,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self.optimizer.state
 
@@ -158,7 +161,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.optimizer.state = value
 
-    @property  # type: ignore[override]
+    @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
@@ -186,26 +189,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 names.append(self._names.get(id(p), f"param_groups[{g}]['params'][{k}]"))
         engine = GradientBuckets(params, names, call=_CALL, passes_per_reduction=self._passes, group=self._group,
                                  **self._options)
-        engine.on_nonfinite = self._nonfinite
-        engine.check_finite = self._nonfinite is not None
         engine.check_steps = self._check_steps
         engine.steps_by_reduction = False  # step() advances the label: a rank that skips step() is named
         return engine
-
-    @property
-    def nonfinite(self) -> NonFinitePolicy | None:
-        """The non-finite gradient policy: None (no check), ``"raise"`` or ``"skip"``; settable."""
-        return self._nonfinite
-
-    @nonfinite.setter
-    def nonfinite(self, policy: NonFinitePolicy | None) -> None:
-        self._nonfinite = self._engine.on_nonfinite = check_policy(_CALL, policy)
-        self._engine.check_finite = policy is not None
-
-    def nonfinite_ranks(self) -> list[int]:
-        """The ranks whose own gradients held NaN/Inf in the last reduction ([] if none, or without
-        ``nonfinite``); the same list on every rank."""
-        return list(self._engine.nonfinite_ranks)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a parameter group to the wrapped optimizer (collective: every rank must add the same)."""
@@ -218,6 +204,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         engine.close()
         self._engine = self._make_engine()
         self._engine.step_label = engine.step_label
+        self.nonfinite = engine.on_nonfinite
         self._broadcast(list(self.optimizer.param_groups[-1]["params"]))
         self._reduced_at_step = self._engine.reductions
 
@@ -233,7 +220,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._needs_reduction():
             self._engine.reduce()  # reductions now exceeds _reduced_at_step: step() will not reduce
 
-    def step(self, closure: Callable[[], Any] | None = None, *,  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None, *,
              step: int | None = None) -> Any:
         """Reduce what backward did not (see :meth:`reduce_gradients`), then step the wrapped optimizer.
 
@@ -254,7 +241,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is None and self._needs_reduction():
             engine.reduce()
         if step is not None:
-            engine._world.enter(f"{_CALL}.step", None, None, -1, step)
+            engine.world.enter(f"{_CALL}.step", None, None, -1, step)
             engine.check_steps = self._check_steps = True  # agreements pair with agreements from now on
         if engine.on_nonfinite == "skip" and engine.nonfinite_ranks:
             result = None  # the gradients were dropped on every rank alike

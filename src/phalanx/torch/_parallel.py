@@ -23,6 +23,7 @@ from .._groups import Group, world_for
 from .._sync import synchronize
 from ._bucket import GradientBuckets, check_options
 from ._common import Compression, GradientOp, backend_call
+from ._engine_owner import EngineOwner
 from ._finite import NonFinitePolicy, check_policy
 
 __all__ = ["DataParallel"]
@@ -50,7 +51,7 @@ class _BufferPack:
             self.groups.append((packed, items, views))
 
 
-class DataParallel(torch.nn.Module):
+class DataParallel(EngineOwner, torch.nn.Module):
     """``module``, with its gradients averaged across ranks while backward runs (torch's DDP, on any backend).
 
     ::
@@ -66,7 +67,8 @@ class DataParallel(torch.nn.Module):
     wrap the same parameters. Every rank must run backward every step: a rank
     that skips one leaves its peers waiting at the end of theirs (until the
     timeout); to skip a batch, backpropagate a zero loss, or call
-    :meth:`reduce_gradients` instead of backward.
+    :meth:`reduce_gradients` instead of backward. :attr:`engine` is the
+    gradient engine, for code that changes how gradients are reduced.
 
     Arguments:
         module: the model (any ``torch.nn.Module``).
@@ -132,21 +134,6 @@ class DataParallel(torch.nn.Module):
         buffers = list(module.buffers())
         self._pack = _BufferPack(buffers) if buffers and self._world.size > 1 else None
         self._require_sync = True
-
-    @property
-    def nonfinite(self) -> NonFinitePolicy | None:
-        """The non-finite gradient policy: None (no check), ``"raise"`` or ``"skip"``; settable."""
-        return self._engine.on_nonfinite
-
-    @nonfinite.setter
-    def nonfinite(self, policy: NonFinitePolicy | None) -> None:
-        self._engine.on_nonfinite = check_policy(_CALL, policy)
-        self._engine.check_finite = policy is not None
-
-    def nonfinite_ranks(self) -> list[int]:
-        """The ranks whose own gradients held NaN/Inf in the last reduction ([] if none, or without
-        ``nonfinite``); the same list on every rank."""
-        return list(self._engine.nonfinite_ranks)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """``module(*args, **kwargs)``, after broadcasting rank 0's buffers in training mode."""

@@ -16,7 +16,8 @@ gradient. Everything else (vectors, small matrices, the engine's presence and
 non-finite slots) travels in one plain allreduce posted with the ``P`` one, so
 a reduction is three collective calls per (dtype, device). The engine
 prepares the buckets (the ``1/size`` scale, the finite check) as usual and
-hands them to :meth:`PowerSGD.reduce` at the end of backward. The user's
+its reducer (``_engine_hooks.PowerSGDReducer``) hands them to
+:meth:`PowerSGD.reduce` at the end of backward. The user's
 manual: ``docs/compression.md``.
 """
 
@@ -85,10 +86,11 @@ class _Layout:
         a = b = c = 0
         for (m, r), (np_, mq, nm) in zip(self.shapes, sizes, strict=True):
             n, k = m.shape
-            views = [buf[b:b + mq].view(r, k) for buf in (self.q, self.q_next, self.q_local)]  # Q transposed
-            self.matrices.append(_Matrix(m, self.p[a:a + np_].view(n, r), *views, self.error[c:c + nm].view(n, k)))
+            q, q_next, q_local = (buf[b:b + mq].view(r, k) for buf in (self.q, self.q_next, self.q_local))  # Qᵀ
+            self.matrices.append(_Matrix(m, self.p[a:a + np_].view(n, r), q, q_next, q_local,
+                                         self.error[c:c + nm].view(n, k)))
             start = torch.randn(k, r, generator=generator, dtype=torch.float64)  # the same on every rank
-            views[0].copy_(torch.linalg.qr(start).Q.t())
+            q.copy_(torch.linalg.qr(start).Q.t())
             a, b, c = a + np_, b + mq, c + nm
 
 
@@ -199,11 +201,11 @@ class PowerSGD:
         self._engine = weakref.ref(engine)
         self.steps = 0
         layouts: dict[tuple[torch.dtype, torch.device], _Layout] = {}
-        for bucket in engine._buckets:
+        for bucket in engine.buckets:
             lay = layouts.setdefault((bucket.flat.dtype, bucket.flat.device), _Layout())
             base, done = bucket.flat.storage_offset(), 0
             for i in bucket.params:
-                view = engine._views[i]
+                view = engine.views[i]
                 shape = view.shape
                 if view.dim() < 2:
                     continue
@@ -221,16 +223,16 @@ class PowerSGD:
         for lay in layouts.values():
             lay.allocate(generator)
         self._layouts = list(layouts.values())
-        self._plain_bytes = sum(b.flat.numel() * b.flat.element_size() for b in engine._buckets)
+        self._plain_bytes = sum(b.flat.numel() * b.flat.element_size() for b in engine.buckets)
         self._compressed_bytes = sum((lay.p.numel() + lay.q.numel() + lay.rest.numel()) * lay.rest.element_size()
                                      for lay in self._layouts)
 
     def reduce(self, engine: Any) -> None:
         """Sum the engine's prepared buckets over its ranks: plainly in warm-up (each bucket's request
         posted), else low-rank (done here; every bucket's request is left as DEFERRED)."""
-        world, call = engine._world, engine.call
+        world, call = engine.world, engine.call
         if not self.compressing:
-            for bucket in engine._buckets:
+            for bucket in engine.buckets:
                 bucket.request = _call(world, call, world.backend.iallreduce, bucket.flat, "sum", True)
             self.steps += 1
             return
@@ -256,7 +258,7 @@ class PowerSGD:
                 _decompress(x)
             _call(world, call, rest.wait, world.timeout)
             torch._foreach_copy_(lay.segments, list(lay.rest.split(lay.rest_sizes)))
-        for bucket in engine._buckets:
+        for bucket in engine.buckets:
             bucket.request = DEFERRED
         self.steps += 1
 

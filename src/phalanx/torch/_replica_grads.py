@@ -15,14 +15,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.cuda import nccl
 
 from .. import _world
+from .._agreement import agree, first_difference
 from .._collectives import allreduce
-from .._errors import CollectiveMismatchError, InvalidArgumentError
+from .._errors import CollectiveMismatchError
+from .._gradients import check_gradient_op, pack_gradients, unpack_gradients
 from ._common import GradientOp, verify_same_structure
 
 __all__ = ["check_same_structure", "describe", "dtype_groups", "reduce_replica_gradients", "tensors"]
@@ -39,9 +39,7 @@ def reduce_replica_gradients(modules: Sequence[torch.nn.Module], op: GradientOp,
     the world checked, to pass next time.
     """
     call = "torch.Replicas.allreduce_gradients"
-    if op not in ("avg", "sum"):
-        raise InvalidArgumentError(
-            f"phalanx.{call}(op={op!r}): use op='avg' (the mean over replicas, the default) or op='sum'.")
+    check_gradient_op(call, op, over="replicas")
     per_replica = [[p for p in m.parameters() if p.requires_grad] for m in modules]
     check_same_structure(call, "trainable parameter",
                          [describe(m.named_parameters(), trainable=True) for m in modules])
@@ -49,7 +47,7 @@ def reduce_replica_gradients(modules: Sequence[torch.nn.Module], op: GradientOp,
     if world is not None and world.size == 1:
         world = None
     if world is not None and checked_world is not world:
-        _check_processes(call, len(modules), describe(modules[0].named_parameters(), trainable=True))
+        _check_processes(world, call, len(modules), describe(modules[0].named_parameters(), trainable=True))
         checked_world = world
     if len(modules) == 1 and world is None:
         return checked_world
@@ -59,36 +57,16 @@ def reduce_replica_gradients(modules: Sequence[torch.nn.Module], op: GradientOp,
     return checked_world
 
 
-def _check_processes(call: str, k: int, entries: list[Entry]) -> None:
+def _check_processes(world: Any, call: str, k: int, entries: list[Entry]) -> None:
     """Once per world: every rank holds the same number of replicas of the same model."""
-    agreed = allreduce(np.array([k, -k], np.int64), op="max")
-    if int(agreed[0]) != k or int(agreed[1]) != -k:
+    counts = agree(world, call, k)
+    if counts is not None:
         raise CollectiveMismatchError(
             f"phalanx.{call}: the processes hold different numbers of replicas (this rank, "
-            f"{_world.rank()}, holds {k}; the ranks hold between {-int(agreed[1])} and "
-            f"{int(agreed[0])}), so the mean over processes would weight replicas unequally; nothing "
-            "was reduced. Make the same number of replicas on every rank, e.g. "
-            "`phalanx.torch.replicate(model, 2)` everywhere.")
+            f"{world.rank}, holds {k}; the ranks hold between {min(counts)} and {max(counts)}), so the "
+            "mean over processes would weight replicas unequally; nothing was reduced. Make the same "
+            "number of replicas on every rank, e.g. `phalanx.torch.replicate(model, 2)` everywhere.")
     verify_same_structure(call, [f"{name} {dtype}{list(shape)}" for name, shape, dtype in entries])
-
-
-def _flat_gradients(call: str, members: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
-    """One replica's gradients of one dtype and a presence slot per parameter, flat; and whether one
-    was missing (it counts as zeros)."""
-    grads, missing = [], False
-    for p in members:
-        g = p.grad
-        if g is None:
-            missing = True
-            g = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        elif g.is_sparse:
-            raise InvalidArgumentError(
-                f"phalanx.{call}: a parameter of shape {list(p.shape)} has a sparse gradient; "
-                "replicas reduce dense gradients (e.g. nn.Embedding(..., sparse=False)).")
-        grads.append(g if g.dtype == dtype else g.to(dtype))
-    # One presence slot per parameter: after the reduction, 0 where no replica had a gradient.
-    presence = torch.tensor([float(p.grad is not None) for p in members], dtype=dtype, device=members[0].device)
-    return _flatten_dense_tensors([*grads, presence]), missing
 
 
 def _reduce_group(call: str, op: GradientOp, params: list[list[torch.Tensor]], across: bool) -> None:
@@ -96,23 +74,11 @@ def _reduce_group(call: str, op: GradientOp, params: list[list[torch.Tensor]], a
     dtype = params[0][0].dtype
     flats, missing = [], False
     for members in params:
-        flat, absent = _flat_gradients(call, members, dtype)
+        flat, absent = pack_gradients(torch, call, members, dtype)
         flats.append(flat)
         missing = missing or absent
-    results = _reduce_flat(op, flats, across)
-    numel = sum(p.numel() for p in params[0])
-    seen = results[0][numel:].tolist() if missing else None
-    for members, flat in zip(params, results, strict=True):
-        views = _unflatten_dense_tensors(flat[:numel], members)
-        targets, sources = [], []
-        for j, (p, view) in enumerate(zip(members, views, strict=True)):
-            if p.grad is not None:
-                targets.append(p.grad)
-                sources.append(view)
-            elif seen is not None and seen[j] > 0:
-                p.grad = view.clone()
-        if targets:
-            torch._foreach_copy_(targets, sources)
+    for members, flat in zip(params, _reduce_flat(op, flats, across), strict=True):
+        unpack_gradients(torch, flat, members, missing)
 
 
 def _reduce_flat(op: GradientOp, flats: list[torch.Tensor], across: bool) -> list[torch.Tensor]:
@@ -158,7 +124,7 @@ def _nccl_usable(flats: list[torch.Tensor]) -> bool:
 
 def tensors(module: torch.nn.Module, buffers: bool) -> list[tuple[str, torch.Tensor]]:
     """``module``'s parameters (and buffers), each labelled ``"parameter <name>"``/``"buffer <name>"``."""
-    items = [(f"parameter {name}", p) for name, p in module.named_parameters()]
+    items: list[tuple[str, torch.Tensor]] = [(f"parameter {name}", p) for name, p in module.named_parameters()]
     if buffers:
         items += [(f"buffer {name}", b) for name, b in module.named_buffers()]
     return items
@@ -174,27 +140,31 @@ def check_same_structure(call: str, what: str, described: list[list[Entry]]) -> 
     """Every replica has replica 0's list of (shape, dtype); else an error naming the first difference."""
     reference = described[0]
     for i, entries in enumerate(described[1:], start=1):
-        if [e[1:] for e in entries] == [e[1:] for e in reference]:
+        counts = (len(reference), len(entries))
+
+        def show(r: int, entry: Entry | None, counts: tuple[int, int] = counts) -> str:
+            return _show(entry, counts[r])
+
+        found = first_difference([reference, entries], show, compare=lambda e: e[1:], who="replica",
+                                 labels=[0, i])
+        if found is None:
             continue
-        j = next((j for j, (a, b) in enumerate(zip(reference, entries, strict=False)) if a[1:] != b[1:]),
-                 min(len(reference), len(entries)))
         raise CollectiveMismatchError(
             f"phalanx.{call}: replica {i} no longer has the same {what}s as replica 0 "
             f"({len(entries)} against {len(reference)}), so they cannot be matched up; nothing was changed. "
-            f"The first difference is {what} #{j}:\n  replica 0: {_show(reference, j)}\n"
-            f"  replica {i}: {_show(entries, j)}\n"
+            f"The first difference is {what} #{found[0]}:\n{found[2]}\n"
             "Change every replica the same way (e.g. freeze a parameter on all of them), or make new "
             "replicas with phalanx.torch.replicate(model, devices).")
 
 
-def _show(entries: list[Entry], j: int) -> str:
-    if j >= len(entries):
-        return f"none (it has only {len(entries)})"
-    name, shape, dtype = entries[j]
+def _show(entry: Entry | None, count: int) -> str:
+    if entry is None:
+        return f"none (it has only {count})"
+    name, shape, dtype = entry
     return f"{name}: {dtype}{list(shape)}"
 
 
-def dtype_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
+def dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
     """Positions of ``tensors`` grouped by dtype, groups in order of first appearance."""
     groups: dict[torch.dtype, list[int]] = {}
     for j, t in enumerate(tensors):

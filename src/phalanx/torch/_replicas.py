@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 import numpy as np
 import torch
@@ -152,7 +152,7 @@ class Replicas(Sequence[torch.nn.Module]):
         return list(self._devices)
 
     @property
-    def count(self) -> int:
+    def count(self) -> int:  # type: ignore[override]  # Sequence.count(value) is not offered
         """The number of replicas."""
         return len(self._modules)
 
@@ -285,6 +285,6 @@ def _same_mapping(original: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
     if type(original) is dict:
         return items
     try:
-        return type(original)(items)
+        return cast(Any, type(original))(items)
     except TypeError:
         return items

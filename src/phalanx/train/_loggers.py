@@ -103,13 +103,12 @@ def _check_metrics(call: str, metrics: Any) -> dict[str, int | float]:
 
 def _check_step(call: str, step: Any) -> int:
     try:
-        if isinstance(step, bool):
-            raise TypeError
-        value = operator.index(step)
+        value = None if isinstance(step, bool) else operator.index(step)
     except TypeError:
+        value = None
+    if value is None:
         raise InvalidArgumentError(
-            f"{call}: step must be an int (the global optimizer step), got {step!r} ({type(step).__name__})."
-        ) from None
+            f"{call}: step must be an int (the global optimizer step), got {step!r} ({type(step).__name__}).")
     if value < 0:
         raise InvalidArgumentError(f"{call}: step must be >= 0, got {value}.")
     return value

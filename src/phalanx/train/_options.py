@@ -1,15 +1,19 @@
-"""The keyword options of :func:`phalanx.train.fit`, declared, typed and checked in one place."""
+"""The keyword options of :func:`phalanx.train.fit`: declared, typed, documented and checked in one place."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import InvalidArgumentError
 
-__all__ = ["FailurePolicy", "FitOptions", "Precision", "SchedulerInterval", "worker_batch"]
+if TYPE_CHECKING:  # phalanx.torch imports torch; this module stays light
+    from ..torch._common import Compression
+
+__all__ = ["OPTIONS_DOC", "OPTION_NAMES", "FailurePolicy", "FitOptions", "Precision", "SchedulerInterval",
+           "worker_batch"]
 
 Precision = Literal["bf16", "fp16"] | None
 FailurePolicy = Literal["skip", "raise"]
@@ -19,54 +23,55 @@ _POLICIES = ("skip", "raise")
 _PRECISIONS = (None, "bf16", "fp16")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FitOptions:
-    """Every keyword option of :func:`phalanx.train.fit`, checked when built; immutable.
-
-    ``fit`` builds one from its keyword arguments; build one yourself to check
-    a configuration before starting (``FitOptions(batch_size=64, epochs=10)``)
-    or to reuse it (``fit(model, loss_fn, opt, data, **dataclasses.asdict(options))``
-    keeps the values).
-
+# The documentation of every option, written once: the docstrings of FitOptions and of fit are built
+# from it (the option names are FitOptions' fields; fit's signature takes exactly those keywords).
+OPTIONS_DOC = """
     Data:
         batch_size: samples per worker (a rank, or a replica) and micro-step.
-        global_batch_size: instead of ``batch_size``: samples per optimizer step over every worker
-            and micro-step, kept when the number of workers changes (which must divide it).
-        epochs, steps: when to stop (optimizer steps; with both, whichever comes first).
-        val_data, val_every, val_batch_size: validation set, every ``val_every`` steps (default:
-            every epoch and at the end), with its own batch size (default ``batch_size``).
-        topk: top-k accuracies to report for class logits, e.g. ``(1, 5)``; ``()`` for none.
+        global_batch_size: instead of ``batch_size``: samples per optimizer step over every worker and
+            micro-step; each worker takes ``global_batch_size / (ranks x replicas x accumulate)``, so the
+            steps, and the result, stay the same when a restart changes the number of ranks.
+        epochs, steps: when to stop, in epochs and/or optimizer steps (whichever comes first).
+        val_data, val_every, val_batch_size: evaluated every ``val_every`` steps (default: every
+            epoch and at the end), every sample exactly once across ranks, in batches of
+            ``val_batch_size`` (default ``batch_size``).
+        topk: top-k accuracies reported for class logits, e.g. ``(1, 5)``; ``()`` for none.
         seed, shuffle: the sample order of each epoch (the same at any world size).
         num_workers, collate_fn: passed to the DataLoader.
     Optimisation:
-        scheduler: an LR scheduler over the optimizer, or a function ``optimizer -> scheduler``.
-        scheduler_interval: step it every optimizer ``"step"`` or every ``"epoch"``.
+        scheduler, scheduler_interval: an LR scheduler over the optimizer (or a function
+            ``optimizer -> scheduler``), stepped every optimizer ``"step"`` or every ``"epoch"``.
         accumulate: micro-batches per optimizer step (the first ones without communication).
         grad_clip: the maximal gradient norm, or ``None``.
-        replicas: in-process replicas: an int or a list of devices.
-        compression, bucket_cap_mb: for the DistributedOptimizer fit wraps around the optimizer
-            (compression: None, ``"bf16"``, ``"fp16"``, ``"powersgd"`` or a ``phalanx.torch.PowerSGD``).
+        replicas: in-process replicas (an int or a list of devices), composable with processes.
+        compression, bucket_cap_mb: for the :class:`phalanx.torch.DistributedOptimizer` fit wraps around
+            the optimizer (compression: None, ``"bf16"``, ``"fp16"``, ``"powersgd"`` or a
+            ``phalanx.torch.PowerSGD``).
     Precision:
-        precision: ``None`` (as the model is), ``"bf16"`` (autocast) or ``"fp16"`` (autocast and
-            a GradScaler).
+        precision: ``None`` (as the model is), ``"bf16"`` (autocast) or ``"fp16"`` (autocast and a
+            GradScaler).
     Checkpointing:
-        checkpoint_dir, checkpoint_every, keep: where, how often (default: every epoch), how many kept.
-        resume: ``"latest"`` (the newest checkpoint every rank can load in ``checkpoint_dir``) or a path.
+        checkpoint_dir, checkpoint_every, keep: written atomically by rank 0 every
+            ``checkpoint_every`` steps (default: every epoch), on a stop signal and at the end;
+            the newest ``keep`` are kept.
+        resume: ``"latest"`` (the newest checkpoint in ``checkpoint_dir`` every rank can load; a damaged
+            one makes every rank fall back to the previous one) or a path: continue from the exact
+            sample and RNG state, also at another number of workers.
     Failure policy:
-        on_nonfinite: a NaN/Inf loss or local gradient on any rank: ``"skip"`` the step or
-            ``"raise"`` TrainingError, on every rank alike.
+        on_nonfinite: a NaN/Inf loss, or NaN/Inf gradients with a finite loss, on any rank:
+            ``"skip"`` the step or ``"raise"`` TrainingError, on every rank alike.
         on_oom: an out-of-memory error on any rank: the same choice.
         max_skipped: more skipped steps in a row than this raise TrainingError.
     Logging:
-        loggers, log_every, progress: where training metrics go, every how many steps, and a
-            progress bar on rank 0.
+        loggers, log_every: loggers (on rank 0) and how often training metrics are recorded.
+        progress: a progress bar and a summary on rank 0.
         plot: the curves PNG written at the end (default ``<checkpoint_dir>/curves.png``;
-            ``False`` for none).
+            ``False`` for none)."""
 
-    Raises:
-        InvalidArgumentError: an option out of range, naming it and what to give instead.
-    """
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FitOptions:
+    # The option names, types and defaults: fit's keyword arguments are exactly these fields.
     batch_size: int | None = None
     global_batch_size: int | None = None
     epochs: int | None = None
@@ -84,7 +89,7 @@ class FitOptions:
     accumulate: int = 1
     grad_clip: float | None = None
     replicas: int | Sequence[Any] | None = None
-    compression: str | None = None
+    compression: Compression | None = None
     bucket_cap_mb: float = 25
     precision: Precision = None
     checkpoint_dir: str | os.PathLike[str] | None = None
@@ -105,6 +110,20 @@ class FitOptions:
             raise InvalidArgumentError(f"phalanx.train.fit({bad}")
         object.__setattr__(self, "topk", tuple(int(k) for k in self.topk))
         object.__setattr__(self, "loggers", tuple(self.loggers))
+
+
+FitOptions.__doc__ = f"""Every keyword option of :func:`phalanx.train.fit`, checked when built; immutable.
+
+    ``fit`` builds one from its keyword arguments; build one yourself to check
+    a configuration before starting (``FitOptions(batch_size=64, epochs=10)``)
+    or to reuse it (``fit(model, loss_fn, opt, data, **dataclasses.asdict(options))``
+    keeps the values).
+{OPTIONS_DOC}
+
+    Raises:
+        InvalidArgumentError: an option out of range, naming it and what to give instead.
+    """
+OPTION_NAMES = tuple(field.name for field in dataclasses.fields(FitOptions))
 
 
 def _positive(value: Any, allow_none: bool = False) -> bool:

@@ -6,31 +6,30 @@ import math
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .. import _world
-
-if TYPE_CHECKING:
-    from ._run import Run
+from ._loggers import ConsoleLogger
+from ._progress import RunState
 
 __all__ = ["finish", "hparams", "message", "progress_bar", "train_metrics", "validation"]
 
 
-def lr(run: Run) -> float:
+def lr(run: RunState) -> float:
     return float(run.inner.param_groups[0]["lr"])
 
 
-def hparams(run: Run, total: int) -> dict[str, Any]:
-    o = run.o
-    return {"batch_size": run.batch_size, "global_batch": run.global_batch * o.accumulate,
-            "ranks": run.size, "replicas": run.k, "accumulate": o.accumulate, "steps": total,
+def hparams(run: RunState, total: int) -> dict[str, Any]:
+    o, g = run.o, run.geometry
+    return {"batch_size": g.batch_size, "global_batch": g.step_samples,
+            "ranks": g.ranks, "replicas": g.replicas, "accumulate": g.accumulate, "steps": total,
             "epochs": o.epochs, "optimizer": type(run.inner).__name__, "lr": lr(run),
             "precision": o.precision or "fp32", "backend": _world.backend(), "seed": o.seed}
 
 
-def train_metrics(run: Run, window: np.ndarray) -> dict[str, float] | None:
+def train_metrics(run: RunState, window: np.ndarray) -> dict[str, float] | None:
     """The training metrics of the steps summed in ``window`` (None when it holds no sample)."""
     if not window[1]:
         return None
@@ -46,25 +45,25 @@ def train_metrics(run: Run, window: np.ndarray) -> dict[str, float] | None:
     return metrics
 
 
-def validation(run: Run, metrics: dict[str, float]) -> None:
+def validation(run: RunState, metrics: dict[str, float]) -> None:
     """A line on rank 0 (unless a ConsoleLogger already prints the metrics)."""
-    if run.rank != 0 or any(type(lg).__name__ == "ConsoleLogger" for lg in run.loggers):
+    if run.rank != 0 or any(isinstance(lg, ConsoleLogger) for lg in run.loggers):
         return
     shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if not k.endswith("/samples"))
     train = run.history.last("train/loss")
-    head = f"epoch {run.epochs_done():g} step {run.global_step}:"
+    head = f"epoch {run.progress.epochs_done(run.geometry):g} step {run.progress.global_step}:"
     message(run.bar, f"{head} {'' if train is None else f'train/loss {train:.4g}  '}{shown}")
 
 
-def finish(run: Run, total: int) -> None:
+def finish(run: RunState, total: int) -> None:
     """The summary: into the History, the loggers, the curves PNG and (rank 0) stderr."""
-    o, h = run.o, run.history
+    o, h, g, steps = run.o, run.history, run.geometry, run.progress.global_step
     elapsed = time.monotonic() - run.started
     summary: dict[str, Any] = {
-        "steps": run.global_step, "epochs": round(run.global_step / run.steps_per_epoch, 3),
+        "steps": steps, "epochs": round(steps / g.steps_per_epoch, 3),
         "samples": run.samples_done, "time_s": round(elapsed, 3),
         "samples_per_s": round(run.samples_done / elapsed, 1) if elapsed else 0.0,
-        "skipped_steps": run.policy.skipped, "ranks": run.size, "replicas": run.k,
+        "skipped_steps": run.policy.skipped, "ranks": g.ranks, "replicas": g.replicas,
         "stopped": h.stopped}
     for key in h.keys():
         value = h.last(key)

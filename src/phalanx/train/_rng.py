@@ -105,22 +105,24 @@ def gather_rng(r: int, n: int) -> list[dict[str, torch.Tensor] | None]:
 
 
 def _parse(entry: Any) -> tuple[torch.Tensor, torch.Tensor, tuple[Any, ...], tuple[Any, ...]]:
-    """(torch state, CUDA states, NumPy state, Python state) of an entry, checked whole; raises on any flaw."""
+    """(torch state, CUDA states, NumPy state, Python state) of an entry, checked whole; raises on any flaw
+    (CheckpointError saying which part for the flaws checked here; a missing key or a state torch, NumPy or
+    ``random`` reject raise what they raise)."""
     torch_state = entry["torch"]
     if not isinstance(torch_state, torch.Tensor) or torch_state.dtype != torch.uint8:
-        raise TypeError(f"the torch state is a {type(torch_state).__name__}, not a uint8 tensor")
+        raise CheckpointError(f"the torch state is a {type(torch_state).__name__}, not a uint8 tensor")
     probe = torch.Generator()
     probe.set_state(torch_state)  # rejects a state of the wrong size or content
     cuda = entry["cuda"]
     numbers = [int(v) for v in entry["numpy"].tolist()]
     keys, pos, has_gauss = numbers[:-2], numbers[-2], numbers[-1]
     if len(keys) != 624 or not all(0 <= k < 2**32 for k in keys) or not 0 <= pos <= 624 or has_gauss not in (0, 1):
-        raise ValueError("the NumPy MT19937 state is out of range")
+        raise CheckpointError("the NumPy MT19937 state is out of range")
     numpy_state = ("MT19937", np.asarray(keys, dtype=np.uint32), pos, has_gauss,
                    float(entry["numpy_gauss"][0]))
     version, has_next, *internal = (int(v) for v in entry["python"].tolist())
     if has_next not in (0, 1) or len(internal) != 625 or not all(0 <= k < 2**32 for k in internal):
-        raise ValueError("the Python random state is out of range")
+        raise CheckpointError("the Python random state is out of range")
     gauss = float(entry["python_gauss"][0]) if has_next else None
     python_state = (version, tuple(internal), gauss)
     random.Random().setstate(python_state)  # rejects what random.setstate would
@@ -136,8 +138,9 @@ def restore_rng(entry: Any, where: str) -> None:
     try:
         torch_state, cuda, numpy_state, python_state = _parse(entry)
     except Exception as exc:  # any flaw of a damaged entry (KeyError, OverflowError, ...) is the same error
+        reason = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
         raise CheckpointError(
-            f"phalanx.train.restore_state: {where} is not a valid RNG state ({type(exc).__name__}: {exc}). "
+            f"phalanx.train.restore_state: {where} is not a valid RNG state ({reason}). "
             "The checkpoint is damaged or was not written by phalanx; pass restore_rng=False to restore "
             "everything else."
         ) from exc

@@ -40,6 +40,7 @@ from ._policy import (
     grads_finite,
     is_oom,
 )
+from ._progress import Geometry, Progress
 
 __all__ = ["Run"]
 
@@ -67,12 +68,12 @@ class Run:
             from ._manager import CheckpointManager
 
             self.manager = CheckpointManager(os.fspath(o.checkpoint_dir), keep=o.keep)
-        self._geometry()
-        self.epoch, self.start, self.global_step = 0, 0, 0
+        self.geometry = Geometry.of(len(self.train_data), batch_size=worker_batch(o, self.size, self.k),
+                                    ranks=self.size, replicas=self.k, accumulate=o.accumulate)
+        self.progress = Progress()
         self.window = np.zeros(2 + len(o.topk))
         self.stop_signal: Any = None
         self.checkpoint: str | None = None
-        self._saved_at = self._validated_at = -1
         self.bar: Any = None
         self.started = time.monotonic()
         self.samples_done = 0
@@ -101,20 +102,6 @@ class Run:
             self.replicas = replicate(self.model, self.o.replicas)
         self.k = self.replicas.count if self.replicas is not None else 1
 
-    def _geometry(self) -> None:
-        o = self.o
-        self.batch_size = worker_batch(o, self.size, self.k)  # samples per worker and micro-step
-        self.local = self.batch_size * self.k  # samples per rank and micro-step
-        self.global_batch = self.local * self.size  # samples per micro-step, all ranks
-        n = len(self.train_data)
-        self.micro_per_epoch = n // self.global_batch // o.accumulate * o.accumulate
-        if self.micro_per_epoch == 0:
-            raise InvalidArgumentError(
-                f"phalanx.train.fit: train_data has {n} samples, fewer than one optimizer step needs: "
-                f"batch_size={self.batch_size} x {self.size} rank(s) x {self.k} replica(s) x accumulate="
-                f"{o.accumulate} = {self.global_batch * o.accumulate}. Use a smaller (global_)batch_size.")
-        self.steps_per_epoch = self.micro_per_epoch // o.accumulate
-
     def _start_reduction(self, optimizer: Any) -> None:
         """Make every rank start from rank 0's state, and set up the gradient reduction."""
         from ..torch import DataParallel, DistributedOptimizer
@@ -131,9 +118,9 @@ class Run:
                     optimizer, compression=o.compression, bucket_cap_mb=o.bucket_cap_mb,
                     named_parameters=self.model.named_parameters())
                 self.step_opt = self.dist_opt
-            self.engine = self.step_opt._engine
+            self.engine = self.step_opt.engine
         elif isinstance(self.model, DataParallel):
-            self.engine = self.model._engine
+            self.engine = self.model.engine
         self._engine_checked = self.engine is not None and self.engine.check_finite
         if self.engine is not None:
             self.engine.check_finite = True
@@ -141,14 +128,14 @@ class Run:
     # -- the loop -------------------------------------------------------------------
     def total_steps(self) -> int:
         o = self.o
-        limits = [s for s in (o.steps, o.epochs * self.steps_per_epoch if o.epochs else None) if s]
+        limits = [s for s in (o.steps, o.epochs * self.geometry.steps_per_epoch if o.epochs else None) if s]
         return min(limits)
 
     def run(self) -> History:
         total = self.total_steps()
         for lg in self.loggers:
             lg.log_hparams(_report.hparams(self, total))
-        self.bar = _report.progress_bar(self.o.progress and self.rank == 0, total, self.global_step)
+        self.bar = _report.progress_bar(self.o.progress and self.rank == 0, total, self.progress.global_step)
         from ._signals import StopSignal
 
         stop_ctx = StopSignal() if threading.current_thread() is threading.main_thread() else None
@@ -171,9 +158,10 @@ class Run:
         return self.history
 
     def _loader(self) -> tuple[DataLoader, GlobalBatches]:
-        o = self.o
-        batches = GlobalBatches(len(self.train_data), local=self.local, parts_before=self.rank * self.local,
-                                total=self.global_batch, epoch=self.epoch, seed=o.seed, shuffle=o.shuffle)
+        o, g = self.o, self.geometry
+        batches = GlobalBatches(len(self.train_data), local=g.local, parts_before=self.rank * g.local,
+                                total=g.global_batch, epoch=self.progress.epoch, seed=o.seed,
+                                shuffle=o.shuffle)
         # One loader for the whole run: its workers persist across epochs; the batch sampler runs in this
         # process, so setting its epoch and start before each iter() is enough. Its own generator: each
         # iter() draws a worker base seed, which from the global generator would shift the RNG stream
@@ -185,15 +173,15 @@ class Run:
         return loader, batches
 
     def _train(self, total: int) -> None:
-        o = self.o
-        per_step = self.global_batch * o.accumulate
+        o, at = self.o, self.progress
+        per_step = self.geometry.step_samples
         loader, batches = self._loader()
-        while self.global_step < total:
-            steps_left = (self.micro_per_epoch * self.global_batch - self.start) // per_step
-            limit = min(steps_left, total - self.global_step)
+        while at.global_step < total:
+            steps_left = (self.geometry.epoch_samples - at.start) // per_step
+            limit = min(steps_left, total - at.global_step)
             done = 0
             if limit > 0:
-                batches.epoch, batches.start = self.epoch, self.start
+                batches.epoch, batches.start = at.epoch, at.start
                 micro: list[Any] = []
                 for batch in loader:
                     micro.append(batch)
@@ -201,13 +189,13 @@ class Run:
                         continue
                     stop = self._step(micro)
                     micro = []
-                    self.start += per_step
+                    at.start += per_step
                     done += 1
                     if stop:
                         break
-                    if o.val_every and self.global_step % o.val_every == 0:
+                    if o.val_every and at.global_step % o.val_every == 0:
                         self._validate()
-                    if o.checkpoint_every and self.global_step % o.checkpoint_every == 0:
+                    if o.checkpoint_every and at.global_step % o.checkpoint_every == 0:
                         self._checkpoint()
                     if done == limit:
                         break
@@ -218,10 +206,10 @@ class Run:
                 self._end_epoch(total)
 
     def _end_epoch(self, total: int) -> None:
-        self.epoch, self.start = self.epoch + 1, 0
+        self.progress.epoch, self.progress.start = self.progress.epoch + 1, 0
         if self.scheduler is not None and self.o.scheduler_interval == "epoch":
             self.scheduler.step()
-        if self.global_step < total:
+        if self.progress.global_step < total:
             if not self.o.val_every:
                 self._validate_if()
             if not self.o.checkpoint_every:
@@ -240,17 +228,17 @@ class Run:
             self.replicas.allreduce_gradients("avg")
         stop = self.stop_signal is not None and self.stop_signal.requested
         view = self.policy.agree(failure, stop, sums)
-        where = f"step {self.global_step} (epoch {self.epochs_done():g})"
+        where = f"step {self.progress.global_step} (epoch {self.epochs_done():g})"
         if self.policy.decide(view[:, 0].astype(int), where, lambda text: _report.message(self.bar, text)):
             self._apply_step()
         else:
             self.step_opt.zero_grad(set_to_none=True)
-        self.samples_done += self.global_batch * o.accumulate
+        self.samples_done += self.geometry.step_samples
         self.window += view[:, 2:].sum(axis=0)
-        self.global_step += 1
+        self.progress.global_step += 1
         if self.bar is not None:
             self.bar.update(1)
-        if self.global_step % o.log_every == 0:
+        if self.progress.global_step % o.log_every == 0:
             self._log_train()
         if view[:, 1].any():
             self.history.stopped = self._stop_name()
@@ -330,7 +318,8 @@ class Run:
     def _no_sync(self, last: bool) -> Any:
         if last or self.size == 1:
             return contextlib.nullcontext()
-        return self.step_opt.no_sync() if hasattr(self.step_opt, "no_sync") else self.model.no_sync()
+        owner: Any = self.step_opt if hasattr(self.step_opt, "no_sync") else self.model  # DataParallel
+        return owner.no_sync()
 
     def _apply_step(self) -> None:
         o = self.o
@@ -351,13 +340,13 @@ class Run:
 
     # -- metrics, validation, checkpoints ---------------------------------------------
     def epochs_done(self) -> float:
-        return round(self.epoch + self.start / (self.micro_per_epoch * self.global_batch), 4)
+        return self.progress.epochs_done(self.geometry)
 
     def _record(self, metrics: dict[str, float]) -> None:
-        record = {"step": self.global_step, "epoch": self.epochs_done(), **metrics}
+        record = {"step": self.progress.global_step, "epoch": self.epochs_done(), **metrics}
         self.history.append(record)
         for lg in self.loggers:
-            lg.log_metrics(metrics, self.global_step)
+            lg.log_metrics(metrics, self.progress.global_step)
 
     def _log_train(self) -> None:
         w, self.window = self.window, np.zeros_like(self.window)
@@ -367,7 +356,7 @@ class Run:
 
     def _validate_if(self) -> None:
         """Validate unless already done at this step."""
-        if self.val_data is not None and self._validated_at != self.global_step:
+        if self.val_data is not None and self.progress.validated_at != self.progress.global_step:
             self._validate()
 
     def _validate(self) -> None:
@@ -375,21 +364,22 @@ class Run:
         if self.val_data is None:
             return
         model = self.replicas[0] if self.replicas is not None else self.model
-        metrics = evaluate(model, self.loss_fn, self.val_data, batch_size=o.val_batch_size or self.batch_size,
-                           topk=o.topk, num_workers=o.num_workers, collate_fn=o.collate_fn,
-                           precision=o.precision)
-        self._validated_at = self.global_step
+        metrics = evaluate(model, self.loss_fn, self.val_data,
+                           batch_size=o.val_batch_size or self.geometry.batch_size, topk=o.topk,
+                           num_workers=o.num_workers, collate_fn=o.collate_fn, precision=o.precision)
+        self.progress.validated_at = self.progress.global_step
         self._record(metrics)
         _report.validation(self, metrics)
 
     def _checkpoint(self) -> None:
         """Write a checkpoint unless one was written at this step."""
-        if self.manager is None or self._saved_at == self.global_step:
+        at = self.progress
+        if self.manager is None or at.saved_at == at.global_step:
             return
         from ._resume import capture
 
-        self.checkpoint = self.manager.save(capture(self), self.global_step)
-        self._saved_at = self.global_step
+        self.checkpoint = self.manager.save(capture(self), at.global_step)
+        at.saved_at = at.global_step
 
     def _stop_name(self) -> str:
         name = self.stop_signal.signal_name if self.stop_signal is not None else None

@@ -44,6 +44,19 @@ _warned_off_main_thread = False
 _UNCATCHABLE = {getattr(signal, name) for name in ("SIGKILL", "SIGSTOP") if hasattr(signal, name)}
 
 
+def _signal(item: Any) -> signal.Signals | None:
+    """The signal a number or a name (``"SIGTERM"``, ``"term"``) stands for here, or None."""
+    try:
+        if isinstance(item, str):
+            name = item.upper()
+            return signal.Signals[name if name.startswith("SIG") else "SIG" + name]
+        if isinstance(item, int) and not isinstance(item, bool):
+            return signal.Signals(item)
+    except (KeyError, ValueError):
+        pass
+    return None
+
+
 def _parse(signals: Any) -> tuple[signal.Signals, ...]:
     if isinstance(signals, (str, int)):
         signals = (signals,)
@@ -56,19 +69,12 @@ def _parse(signals: Any) -> tuple[signal.Signals, ...]:
         ) from None
     parsed: list[signal.Signals] = []
     for item in items:
-        try:
-            if isinstance(item, str):
-                name = item.upper()
-                sig = signal.Signals[name if name.startswith("SIG") else "SIG" + name]
-            elif isinstance(item, int) and not isinstance(item, bool):
-                sig = signal.Signals(item)
-            else:
-                raise TypeError
-        except (KeyError, ValueError, TypeError):
+        sig = _signal(item)
+        if sig is None:
             raise InvalidArgumentError(
                 f"phalanx.train.StopSignal(signals=...): {item!r} is not a signal of this platform; use "
                 "e.g. signal.SIGTERM, 'SIGINT' or 'SIGUSR1'."
-            ) from None
+            )
         if sig in _UNCATCHABLE:
             raise InvalidArgumentError(
                 f"phalanx.train.StopSignal(signals=...): {sig.name} cannot be caught by any process; "

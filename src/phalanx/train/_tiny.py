@@ -36,6 +36,7 @@ import math
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -199,7 +200,8 @@ def _check_arguments(call: str, root: object, classes: int, train_per_class: int
     _check("train_per_class", train_per_class, 1)
     _check("val_per_class", val_per_class, 1)
     _check("seed", seed, 0)
-    pair = (size, size) if isinstance(size, int) and not isinstance(size, bool) else tuple(size)
+    pair: tuple[Any, ...] = ((size, size) if isinstance(size, int) and not isinstance(size, bool) else
+                             tuple(size) if isinstance(size, Sequence) and not isinstance(size, str) else ())
     if len(pair) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 16 for s in pair):
         raise InvalidArgumentError(f"{call}: size must be an int or (height, width), each >= 16, got {size!r}.")
     return root, (int(pair[0]), int(pair[1]))

@@ -68,7 +68,7 @@ def _stats(call: str, name: str, values: Sequence[float], positive: bool) -> tup
         raise InvalidArgumentError(
             f"{call}: {name} must be 3 finite numbers (one per RGB channel){', all > 0' if positive else ''}, "
             f"got {values!r}.")
-    return triple  # type: ignore[return-value]
+    return triple
 
 
 def _range(call: str, name: str, pair: Sequence[float], low: float, high: float) -> tuple[float, float]:

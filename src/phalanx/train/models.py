@@ -153,10 +153,10 @@ class ResNet(nn.Module):
                 nn.init.constant_(m.bias, 0)
         if zero_init_residual:
             for m in self.modules():
-                if isinstance(m, Bottleneck) and getattr(m.bn3, "weight", None) is not None:
-                    nn.init.constant_(m.bn3.weight, 0)
-                elif isinstance(m, BasicBlock) and getattr(m.bn2, "weight", None) is not None:
-                    nn.init.constant_(m.bn2.weight, 0)
+                last = m.bn3 if isinstance(m, Bottleneck) else m.bn2 if isinstance(m, BasicBlock) else None
+                weight = getattr(last, "weight", None)
+                if isinstance(weight, torch.Tensor):
+                    nn.init.constant_(weight, 0)
 
     def _make_layer(self, block: type[BasicBlock | Bottleneck], planes: int, blocks: int,
                     stride: int = 1) -> nn.Sequential:

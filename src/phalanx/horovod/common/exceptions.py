@@ -4,7 +4,7 @@
 still catch what ``hvd`` collectives raise: a mismatch (:class:`HorovodMismatchError`,
 also phalanx's ``CollectiveMismatchError``), a timeout where Horovod would stall
 (:class:`HorovodTimeoutError`), a lost peer (:class:`HorovodRankFailedError`).
-The classes live in ``phalanx._errors`` with every other phalanx error.
+The classes live in :mod:`phalanx.horovod._errors`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,12 @@ from __future__ import annotations
 from ..._errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    NotInitializedError,
+    PhalanxError,
+    RankFailedError,
+    WorldBrokenError,
+)
+from .._errors import (
     DuplicateNameError,
     HorovodInternalError,
     HorovodJoinedError,
@@ -22,10 +28,6 @@ from ..._errors import (
     HorovodUnsupportedError,
     HorovodWorldBrokenError,
     HostsUpdatedInterrupt,
-    NotInitializedError,
-    PhalanxError,
-    RankFailedError,
-    WorldBrokenError,
 )
 
 __all__ = [

@@ -25,7 +25,7 @@ from typing import Any
 
 import phalanx
 
-from ..._errors import HorovodUnsupportedError
+from .._errors import HorovodUnsupportedError
 
 __all__: list[str] = []
 

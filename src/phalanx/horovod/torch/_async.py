@@ -76,7 +76,7 @@ def _allreduce_async(call: str, out: torch.Tensor, average: Any, name: Any, op: 
         return _done(_impl.allreduce_into(out, op, pre, post, ps, step, call), name)
     _impl.scale(out, pre)
     integer_average = op == _impl.Average and not out.is_floating_point()
-    phalanx_op = "avg" if op == _impl.Average and not integer_average else \
+    phalanx_op: phalanx.Op = "avg" if op == _impl.Average and not integer_average else \
         ("sum" if op == _impl.Average else _impl._PHALANX_OPS[op])
     handle = phalanx.iallreduce(out, phalanx_op, step=step, **group_kwargs(ps, call))
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import phalanx
 
-from ..._errors import HorovodNotInitializedError, HorovodUnsupportedError, InvalidArgumentError
+from ..._errors import InvalidArgumentError
 from ..._world import current_or_none
+from .._errors import HorovodNotInitializedError, HorovodUnsupportedError
 from ._process_sets import ProcessSet, add_process_set, forget_all, register_global
 
 __all__ = [

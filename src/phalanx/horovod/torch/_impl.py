@@ -23,12 +23,8 @@ import torch
 
 import phalanx
 
-from ..._errors import (
-    DuplicateNameError,
-    HorovodMismatchError,
-    InvalidArgumentError,
-    UnsupportedArgumentError,
-)
+from ..._errors import InvalidArgumentError, UnsupportedArgumentError
+from .._errors import DuplicateNameError, HorovodMismatchError
 from . import _join
 from ._adasum import adasum_allreduce
 from ._process_sets import ProcessSet, global_process_set, group_kwargs, set_size
@@ -37,7 +33,7 @@ __all__ = ["Adasum", "Average", "Max", "Min", "Product", "Sum"]
 
 # Horovod's op values (its C++ ReduceOp enum).
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
-_PHALANX_OPS = {Sum: "sum", Min: "min", Max: "max", Product: "prod"}
+_PHALANX_OPS: dict[int, phalanx.Op] = {Sum: "sum", Min: "min", Max: "max", Product: "prod"}
 _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 
 names_in_flight: set[str] = set()  # names of asynchronous operations not yet synchronized
@@ -87,7 +83,7 @@ def scale(out: torch.Tensor, factor: float) -> torch.Tensor:
     return out
 
 
-def _reduce(out: torch.Tensor, op: str, step: int | None, ps: ProcessSet, call: str) -> torch.Tensor:
+def _reduce(out: torch.Tensor, op: phalanx.Op, step: int | None, ps: ProcessSet, call: str) -> torch.Tensor:
     """phalanx.allreduce of ``out`` in place; through the join exchange while ranks may be joined."""
     if ps is global_process_set:
         if _join.in_join_mode():
@@ -226,7 +222,7 @@ def reducescatter(tensor: torch.Tensor, op: int, pre: float, post: float, ps: Pr
     x = scale(tensor.detach().clone(memory_format=torch.contiguous_format), pre)
     n, dim0, rest = set_size(ps), tensor.shape[0], tuple(tensor.shape[1:])
     kwargs = group_kwargs(ps, call)
-    phalanx_op = "avg" if op == Average and x.is_floating_point() else "sum"
+    phalanx_op: phalanx.Op = "avg" if op == Average and x.is_floating_point() else "sum"
     if n == 1:
         out = x
     elif dim0 % n == 0:
@@ -243,7 +239,8 @@ def reducescatter(tensor: torch.Tensor, op: int, pre: float, post: float, ps: Pr
             rows = base + (r < extra)
             padded[r * top: r * top + rows] = x[offset: offset + rows]
             offset += rows
-        me = ps.rank() if ps is not global_process_set else phalanx.rank()
+        me = phalanx.rank() if ps is global_process_set else ps.rank()
+        assert me is not None  # group_kwargs above refused a set that is not registered
         out = phalanx.reduce_scatter(padded, phalanx_op, **kwargs)[: base + (me < extra)].contiguous()
     if op == Average and not out.is_floating_point():
         out.floor_divide_(n)

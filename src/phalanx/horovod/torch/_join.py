@@ -22,13 +22,9 @@ import numpy as np
 
 import phalanx
 
-from ..._errors import (
-    CollectiveMismatchError,
-    HorovodJoinedError,
-    HorovodMismatchError,
-    HorovodUnsupportedError,
-)
+from ..._errors import CollectiveMismatchError
 from ..._world import current_or_none
+from .._errors import HorovodJoinedError, HorovodMismatchError, HorovodUnsupportedError
 from ._basics import _on_shutdown, _world
 
 __all__ = ["join"]
@@ -36,7 +32,7 @@ __all__ = ["join"]
 JOIN_STEP = 0x4A4F494E  # "JOIN": the step label of join exchanges (named in the mismatch they cause)
 _MARKER = f"step={JOIN_STEP}"
 _JOINED, _ALLREDUCE, _OTHER = 0, 1, 2
-_OPS = ("sum", "prod", "min", "max", "avg")
+_OPS: tuple[phalanx.Op, ...] = ("sum", "prod", "min", "max", "avg")
 _DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
 _MAX_RETRIES = 1000
 
@@ -109,7 +105,7 @@ def _active_request(rows: np.ndarray, call: str) -> np.ndarray | None:
     return active[0]
 
 
-def reduce_with_joined(flat: Any, op: str, call: str) -> Any:
+def reduce_with_joined(flat: Any, op: phalanx.Op, call: str) -> Any:
     """An active rank's allreduce of the 1-d tensor ``flat`` (phalanx ``op``) while ranks may be joined:
     one exchange, then the reduction (joined ranks add zeros)."""
     dtype = _DTYPES.index(str(flat.dtype).rpartition(".")[2])

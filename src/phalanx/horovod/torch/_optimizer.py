@@ -16,24 +16,22 @@ differences from Horovod are in ``docs/horovod.md``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 import phalanx
 
-from ..._errors import GradientSyncOrderError, InvalidArgumentError, UnsupportedArgumentError
+from ..._errors import InvalidArgumentError, UnsupportedArgumentError
 from ...torch._bucket import GradientBuckets
+from .._errors import GradientSyncOrderError
 from ._compression import Compression, wire_compression
 from ._functions import group_of
-
-try:
-    from ._ops import Adasum, Average, Sum
-except ImportError:  # Horovod's values, until the ops module defines them
-    Average, Sum, Adasum = 0, 1, 2
+from ._ops import Adasum, Average, Sum
 
 __all__ = ["DistributedOptimizer"]
 
@@ -42,41 +40,39 @@ _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before
               "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
 _TOO_MANY = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
              "Increase backward_passes_per_step to accumulate gradients locally.")
-_CLASSES: weakref.WeakKeyDictionary[type, dict[bool, type]] = weakref.WeakKeyDictionary()
+_CLASSES: weakref.WeakKeyDictionary[type, dict[bool, type[_HorovodOptimizer]]] = weakref.WeakKeyDictionary()
 
 
 class _Buckets(GradientBuckets):
-    """GradientBuckets with Horovod's pre/post scaling and its "too many backward passes" check."""
+    """GradientBuckets with Horovod's post-scaling and its "too many backward passes" check, through
+    the engine's hooks (the pre-scaling is its ``prescale``)."""
 
-    def __init__(self, params: list[torch.Tensor], names: list[str], *, prescale: float | None,
-                 postscale: float, guard: bool, **options: Any) -> None:
-        self._prescale = prescale
-        self._postscale = postscale
+    def __init__(self, params: list[torch.Tensor], names: list[str], *, postscale: float, guard: bool,
+                 **options: Any) -> None:
         self.guard = guard  # raise Horovod's errors (a job of more than one rank, as Horovod)
         self.synced_at = 0  # `reductions` when step()/synchronize() last consumed the gradients
         super().__init__(params, names, **options)
-
-    def _build(self, cap_mb: float, wire_dtype: torch.dtype | None) -> None:
-        if self._prescale is not None:
-            self._scale = self._prescale
-        super()._build(cap_mb, wire_dtype)
-
-    def _begin_pass(self, task: int) -> None:
-        if self.guard and self.reductions > self.synced_at:
-            raise GradientSyncOrderError(
-                f"{_CALL}: {_TOO_MANY} (This backward pass came after the gradients were already reduced "
-                "for this step; call optimizer.step() or optimizer.synchronize() first.)")
-        super()._begin_pass(task)
-
-    def _complete(self, bucket: Any) -> None:
-        super()._complete(bucket)
-        if self._postscale != 1.0:
-            bucket.grads.mul_(self._postscale)
+        self.pass_hooks.append(_check_pass)
+        if postscale != 1.0:
+            self.bucket_hooks.append(functools.partial(_postscale, postscale))
 
     @property
     def pending(self) -> bool:
         """Backward touched the gradients since step()/synchronize() last consumed them."""
         return self.in_flight or self.unreduced or self.reductions > self.synced_at
+
+
+def _check_pass(engine: _Buckets) -> None:
+    """Each backward pass: none may follow a reduction that step()/synchronize() has not consumed."""
+    if engine.guard and engine.reductions > engine.synced_at:
+        raise GradientSyncOrderError(
+            f"{_CALL}: {_TOO_MANY} (This backward pass came after the gradients were already reduced "
+            "for this step; call optimizer.step() or optimizer.synchronize() first.)")
+
+
+def _postscale(factor: float, engine: _Buckets, bucket: Any) -> None:
+    """Each reduced bucket: Horovod's scaling after the sum (``f/size`` with gradient_predivide_factor)."""
+    bucket.grads.mul_(factor)
 
 
 class _HorovodOptimizer(torch.optim.Optimizer):
@@ -154,7 +150,7 @@ class _HorovodOptimizer(torch.optim.Optimizer):
         finally:
             self._hvd_should_sync = True
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Synchronize the gradients (unless inside :meth:`skip_synchronize`), then step the optimizer.
 
         With a ``closure`` (LBFGS), every backward inside it reduces its gradients itself.
@@ -239,7 +235,7 @@ class _AdasumOptimizer(_HorovodOptimizer):
                                      "using Adasum optimizer; call optimizer.step() alone.")
         yield  # pragma: no cover
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Evaluate ``closure`` if given, step locally, then set each parameter to its start plus the
         Adasum combination of every rank's change. Collective. Returns the closure's loss (or None)."""
         loss = closure() if closure is not None else None
@@ -327,12 +323,12 @@ def _check_groups(groups: Any, num_groups: Any) -> Any:
     return groups
 
 
-def _subclass(base: type, adasum: bool) -> type:
+def _subclass(base: type, adasum: bool) -> type[_HorovodOptimizer]:
     made = _CLASSES.setdefault(base, {})
     if adasum not in made:
         mixin = _AdasumOptimizer if adasum else _HorovodOptimizer
-        made[adasum] = type(base.__name__, (mixin, base), {"__module__": base.__module__,
-                                                           "__qualname__": base.__qualname__})
+        made[adasum] = cast("type[_HorovodOptimizer]", type(base.__name__, (mixin, base), {
+            "__module__": base.__module__, "__qualname__": base.__qualname__}))
     return made[adasum]
 
 

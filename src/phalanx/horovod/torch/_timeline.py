@@ -25,9 +25,9 @@ from __future__ import annotations
 import os
 
 from ... import _trace
-from ..._errors import HorovodNotInitializedError
 from ..._failure import env_rank
 from ..._world import current_or_none
+from .._errors import HorovodNotInitializedError
 
 __all__ = ["start_timeline", "stop_timeline"]
 

@@ -67,10 +67,9 @@ def run(func: _F) -> _F:
             with contextlib.suppress(FileNotFoundError):  # an earlier job's: a commit lives as long as its job
                 os.remove(state.commit_file)
         if count > 0:
-            loaded = isinstance(state, TorchState) and state.load_commit()
-            if loaded:
+            if isinstance(state, TorchState) and state.load_commit():
                 _say_once(f"phalanx.horovod.torch.elastic: restart {count}: resuming from the commit in "
-                          f"{state.commit_file}.")  # type: ignore[union-attr]
+                          f"{state.commit_file}.")
             else:
                 _say_once(f"phalanx.horovod.torch.elastic: restart {count}: no commit was found; starting "
                           "from the initial state.")

@@ -6,49 +6,41 @@
     grads = phalanx.allreduce_gradients(grads)     # a new pytree: the mean over ranks
 
 Used by :func:`phalanx.allreduce_gradients` when the leaves are JAX arrays (and
-by :mod:`phalanx.jax`). The leaves of each dtype are concatenated on the host
+by :mod:`phalanx.jax`); it sits in the gradients layer, below ``phalanx.jax``'s
+other modules, and imports neither jax nor optax itself. The leaves of each dtype are concatenated on the host
 (no copy for a single CPU leaf), reduced in one call, split, and put back on
 each leaf's device as new arrays; leaves that are not arrays are left alone.
 
 Before the first reduction of a structure, the ranks agree on it (every
-array leaf's path, dtype and shape: one small allreduce); a difference raises
+array leaf's path, dtype and shape: :func:`phalanx._agreement.agree`, one small
+allreduce); a difference raises
 the same :class:`CollectiveMismatchError` on every rank, naming the first
 differing leaf. Later calls with a structure already agreed skip the check:
 a rank whose structure changed then makes that check while the others reduce,
 which the per-call agreement of :func:`phalanx.allreduce` turns into a
 CollectiveMismatchError on every rank too. Inside ``jax.jit``
 (:mod:`phalanx.jax`) the first callback of a compiled step makes the same
-check. jax is never imported here.
+check.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from typing import Any
 
 import numpy as np
 
-from ._arrays import jax_host_view
-from ._collectives import allreduce
-from ._errors import CollectiveMismatchError
-from ._groups import world_for
+from .._agreement import agree, first_difference
+from .._arrays import jax_host_view
+from .._collectives import allreduce
+from .._errors import CollectiveMismatchError
+from .._groups import world_for
 
-__all__ = ["COMPRESSIONS", "agree_structure", "has_jax_leaves", "reduce_host", "reduce_jax_tree",
-           "structure_entries"]
+__all__ = ["COMPRESSIONS", "agree_structure", "reduce_host", "reduce_jax_tree", "structure_entries"]
 
 COMPRESSIONS = {None: None, "none": None, "fp16": "float16", "bf16": "bfloat16"}
-_MASK = (1 << 62) - 1
 _agreed: dict[tuple[Any, ...], None] = {}  # structures the ranks agreed on (bounded)
-
-
-def has_jax_leaves(tree: Any) -> bool:
-    """Whether jax is loaded and ``tree`` is, or holds, a JAX array."""
-    jax = sys.modules.get("jax")
-    if jax is None:
-        return False
-    return any(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(tree))
 
 
 def reduce_jax_tree(tree: Any, op: str = "avg", group: Any = None, compression: str | None = None,
@@ -100,22 +92,21 @@ def reduce_host(flat: np.ndarray, op: str, group: Any = None, wire: str | None =
     float16 travels as 16 bits. An average in 16 bits divides before the sum
     (as torch's fp16 hooks do), so the sum cannot overflow.
     """
-    kwargs = {} if group is None else {"group": group}
     dtype = flat.dtype
     if wire == "float16":
         send = flat.astype(np.float16)
         if op == "avg":
             send /= np.float16(_size(group))
-            return allreduce(send, op="sum", **kwargs).astype(dtype)
-        return allreduce(send, op=op, **kwargs).astype(dtype)
+            return allreduce(send, op="sum", group=group).astype(dtype)
+        return allreduce(send, op=op, group=group).astype(dtype)
     if wire == "bfloat16":  # rounded to bfloat16, reduced in float32
         rounded = flat.astype(sys.modules["ml_dtypes"].bfloat16).astype(np.float32)
-        return allreduce(rounded, op=op, **kwargs).astype(dtype)
+        return allreduce(rounded, op=op, group=group).astype(dtype)
     if dtype.name == "bfloat16":
-        return allreduce(flat.astype(np.float32), op=op, **kwargs).astype(dtype)
+        return allreduce(flat.astype(np.float32), op=op, group=group).astype(dtype)
     if not flat.flags.writeable:
         flat = flat.copy()  # reduced in place: one copy instead of a new result plus this view
-    return allreduce(flat, op=op, **kwargs)
+    return allreduce(flat, op=op, group=group)
 
 
 def _size(group: Any) -> int:
@@ -145,35 +136,29 @@ def agree_structure(entries: list[tuple[str, str, list[int]]], op: str, group: A
     key = (id(group), op, json.dumps(entries))
     if key in _agreed:
         return
-    text = json.dumps([op, entries], separators=(",", ":"))
-    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") & _MASK
-    kwargs = {} if group is None else {"group": group}
-    seen = allreduce(np.array([digest, -digest], np.int64), op="max", **kwargs)
-    if int(seen[0]) != digest or int(seen[1]) != -digest:
-        _explain(entries, op, group, call)
+    tables = agree(world_for(group, call), call, [op, entries])
+    if tables is not None:
+        raise _mismatch(call, tables)
     if len(_agreed) > 128:
         _agreed.clear()
     _agreed[key] = None
 
 
-def _explain(entries: list[tuple[str, str, list[int]]], op: str, group: Any, call: str) -> None:
-    tables = world_for(group, call).allgather_json(call, {"op": op, "entries": entries})
-    ops = [t["op"] for t in tables]
+def _mismatch(call: str, tables: list[Any]) -> CollectiveMismatchError:
+    """The error naming the op, or the first leaf, that differs between the ranks' ``[op, entries]``."""
+    ops = [t[0] for t in tables]
     if len(set(ops)) > 1:
-        raise CollectiveMismatchError(
+        return CollectiveMismatchError(
             f"phalanx.{call}: the ranks passed different ops ({ops}, in rank order), so nothing was "
             "reduced. Pass the same `op` on every rank.")
-    found = [{e[0]: e for e in t["entries"]} for t in tables]
-    for path in dict.fromkeys(e[0] for t in tables for e in t["entries"]):
-        seen = [f.get(path) for f in found]
-        if len({json.dumps(s) for s in seen}) > 1:
-            lines = "\n".join(f"  rank {r}: " + (f"a {s[1]}{s[2]} array" if s else "nothing (no such leaf)")
-                              for r, s in enumerate(seen))
-            raise CollectiveMismatchError(
-                f"phalanx.{call}: the ranks' gradient pytrees differ at {path or 'the root'}, so nothing "
-                f"was reduced:\n{lines}\nEvery rank must pass the same structure, shapes and dtypes: "
-                "build the model the same way on every rank and synchronize it.")
-    raise CollectiveMismatchError(
+    found = first_difference([t[1] for t in tables], lambda _r, s: f"a {s[1]}{s[2]} array" if s else
+                             "nothing (no such leaf)", key=lambda e: e[0])
+    if found is not None:
+        path, _, lines = found
+        return CollectiveMismatchError(
+            f"phalanx.{call}: the ranks' gradient pytrees differ at {path or 'the root'}, so nothing "
+            f"was reduced:\n{lines}\nEvery rank must pass the same structure, shapes and dtypes: "
+            "build the model the same way on every rank and synchronize it.")
+    return CollectiveMismatchError(
         f"phalanx.{call}: the ranks' gradient pytrees hold the same leaves in a different structure, so "
         "nothing was reduced. Build the model the same way on every rank.")
-

@@ -39,7 +39,7 @@ SECRET_HELP = ("make one and give the same to every host, e.g. `export PHALANX_S
                "secrets; print(secrets.token_hex(32))')` (or `--secret-file FILE`), or start the job with "
                "`phalanx run --hosts h0:N,h1:N ...`, which makes one")
 MIN_SECRET = 16  # characters, as the ranks require (phalanx.comm._netplan)
-MARK = "@phalanx-remote "  # starts a stderr line from a per-host launcher (._remote) to its driver (._multinode)
+MARK = "@phalanx-remote "  # starts a stderr line from a per-host launcher (._remote) to its driver (._from_one_host)
 
 
 def parse_master(text: str) -> tuple[str, int]:

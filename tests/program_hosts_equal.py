@@ -1,4 +1,4 @@
-"""The script of tests/test_hosts_equivalence.py: ``python worlds_hosts_equal.py DIR`` on every rank.
+"""The script of tests/test_hosts_equivalence.py: ``python program_hosts_equal.py DIR`` on every rank.
 
 Two trainings on the same global batch of 12 samples, float64, each compared
 with the one-process run of ``worlds_fit.reference``:

@@ -1,4 +1,4 @@
-"""Data for the scaling model (:mod:`phalanx._scaling`): named links and named models' tensor shapes.
+"""Data for the scaling model (:mod:`phalanx.cli._scaling`): named links and named models' tensor shapes.
 
 Pure Python, no torch: the shapes of the named models are written out from their
 architecture descriptions (torchvision's ResNet v1.5 bottleneck layout and VGG-16

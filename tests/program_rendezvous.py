@@ -1,9 +1,9 @@
 """Programs for tests/test_rendezvous_hosts.py, run as scripts (on this host or on simulated hosts).
 
-``python worlds_rendezvous.py rank OUT BODY``: one gloo rank (the launch variables come from the
+``python program_rendezvous.py rank OUT BODY``: one gloo rank (the launch variables come from the
 environment the test sets); it leaves ``OUT/up<rank>.json`` once the world is up (or
 ``OUT/error<rank>.json`` if ``init`` raised) and ``OUT/done<rank>.json`` after ``shutdown``.
-``python worlds_rendezvous.py intruder HOST PORT``: tries the rendezvous at HOST:PORT without the
+``python program_rendezvous.py intruder HOST PORT``: tries the rendezvous at HOST:PORT without the
 job's secret (a raw socket, torch's own store client, a guard with a wrong secret) and prints
 what happened to each, as JSON.
 """

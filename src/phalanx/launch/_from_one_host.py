@@ -51,9 +51,9 @@ from typing import IO, Any
 from .._errors import LaunchError
 from .._net import is_local_address
 from ._job import GRACE, Launch, Signals
-from ._nodes import MARK, check_nodes, run_node
+from ._on_each_host import MARK, check_nodes, run_node
 from ._procs import child_setup, signal_name, stop_groups
-from ._report import ECHOES
+from ._report import earliest
 from ._spawn import run_spawn
 
 __all__ = ["FORWARDED", "remote_command", "run_hosts", "torch_runner"]
@@ -103,9 +103,9 @@ Runner = Callable[[Launch, dict[str, str], str, Signals], int]
 
 def torch_runner(job: Launch) -> Runner:
     """How a gloo/nccl ``job`` runs: on its ``hosts`` (:func:`run_hosts`), as one of ``nnodes``
-    launchers (:func:`._nodes.run_node`), or all here (:func:`._spawn.run_spawn`).
+    launchers (:func:`._on_each_host.run_node`), or all here (:func:`._spawn.run_spawn`).
 
-    Raises :class:`LaunchError` for settings :func:`._nodes.check_nodes` refuses.
+    Raises :class:`LaunchError` for settings :func:`._on_each_host.check_nodes` refuses.
     """
     check_nodes(job)
     if getattr(job, "hosts", None):
@@ -312,14 +312,14 @@ def _end(remotes: list[_Remote], seconds: float, signals: Signals | None = None)
 def _first(remotes: list[_Remote]) -> _Remote | None:
     """The host that failed first: its rank's own error before any error that only echoes another's,
     earliest first; a launcher that ended without naming a rank counts from when it ended."""
-    found = []
+    found: list[tuple[_Remote, str | None, float | None]] = []
     for remote in remotes:
         outcome = remote.outcome or {}
         if outcome.get("rank") is not None:
-            found.append((outcome.get("type") in ECHOES, outcome.get("time") or float("inf"), remote))
+            found.append((remote, outcome.get("type"), outcome.get("time")))
         elif remote.code not in (None, 0) and not outcome.get("stopped"):
-            found.append((False, remote.ended or float("inf"), remote))
-    return min(found, key=lambda f: (f[0], f[1]))[2] if found else None
+            found.append((remote, None, remote.ended))
+    return earliest(found)
 
 
 def _report(remotes: list[_Remote], start: float) -> int:

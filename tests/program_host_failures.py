@@ -1,4 +1,4 @@
-"""The rank program of the host-failure tests, started by ``phalanx run``: ``python worlds_host_failures.py MODE``.
+"""The rank program of the host-failure tests, started by ``phalanx run``: ``python program_host_failures.py MODE``.
 
 ``loop``: 16 MB float32 allreduces until a fault ends the job; every rank prints
 ``ITER i`` as it goes and, when a phalanx error reaches it, ``RAISED <unix time>

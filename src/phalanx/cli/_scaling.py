@@ -18,7 +18,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from ._errors import InvalidArgumentError
+from .._errors import InvalidArgumentError
 from ._scaling_data import LINKS, MODELS, Link, ModelShape
 
 __all__ = ["Fabric", "Settings", "Variant", "codec_flops", "comm_time", "compressed_matrices", "fit_allreduce",

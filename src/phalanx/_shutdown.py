@@ -1,0 +1,62 @@
+"""Leaving the world: :func:`shutdown`, the agreement that every rank is leaving, then the release.
+
+``shutdown`` is an agreement like any collective's (bounded by the timeout), so
+that a rank still waiting in a collective learns at once that a peer left
+(RankFailedError naming it) instead of waiting out its timeout. Then the
+world's groups (registered with :meth:`World.on_shutdown`) and its backend are
+released, locally and bounded, whatever the agreement found.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from ._agreement import MASK, where
+from ._errors import PhalanxError
+from ._world import CALL_CODES, World, swap
+
+__all__ = ["shutdown"]
+
+
+def shutdown() -> None:
+    """Leave the world and release the backend; calling it again does nothing.
+
+    Every rank should call it, after the same collective calls: it agrees with
+    the peers (bounded by the timeout) before releasing anything. Peers that are
+    still waiting in a collective instead raise RankFailedError naming this rank
+    at once, and this rank leaves without waiting for them (with a warning).
+    """
+    world = swap(None)
+    if world is None:
+        return
+    try:
+        if world.broken is None and world.size > 1:
+            world.ready("shutdown")
+            entries = _leave(world)
+            if entries is not None:
+                _warn_left_behind(world, entries)
+    except PhalanxError as exc:  # the peers failed or never came: leave anyway, quickly
+        world.broken = world.broken or f"shutdown failed: {type(exc).__name__}"
+    finally:
+        world.release()
+
+
+def _leave(world: World) -> list[dict[str, Any]] | None:
+    """Agree on ``shutdown`` with the peers: None when every rank is shutting down, else every
+    rank's description (the peers then raise RankFailedError naming this rank)."""
+    world.calls += 1
+    with world.guard("shutdown"):
+        # Not signature(): in debug mode that adds the call site, and ranks may shut down anywhere.
+        if world.backend.agree(hash((CALL_CODES["shutdown"], -1, -1)) & MASK, world.timeout):
+            return None
+    return world.allgather_json("shutdown", world.describe("shutdown", None, None, -1))
+
+
+def _warn_left_behind(world: World, entries: list[dict[str, Any]]) -> None:
+    others = {r: where(e) for r, e in enumerate(entries) if e["call"] != "shutdown"}
+    world.broken = "shut down while peers were in a collective"
+    warnings.warn(f"phalanx.shutdown() on rank {world.rank}: other ranks were still in a collective "
+                  f"({', '.join(f'rank {r}: {p}' for r, p in others.items())}); they raise "
+                  "RankFailedError. Every rank must make the same collective calls before shutdown().",
+                  RuntimeWarning, stacklevel=3)

@@ -1,0 +1,142 @@
+"""What the ``gloo``/``nccl`` backends hold of ``torch.distributed``: requests, groups, teardown.
+
+* :class:`TorchRequest`: a ``Work`` in flight plus what turns its buffers into
+  the user's result (the backends' non-blocking calls).
+* :func:`group_dist`: the process group of a ``phalanx.new_group`` (every rank
+  of the world makes it, members or not, in the same order) and, on a member,
+  ``torch.distributed`` as the group's backend calls it (:class:`GroupDist`:
+  every collective on the group, roots translated to the world ranks torch
+  expects). :meth:`TorchBackend.subgroup` runs its data methods over it.
+* :func:`end_group`: destroy a process group in a thread given up after a few
+  seconds: after a failure, destroying can block on a peer that is gone, and
+  leaving must not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from ._base import PeerLost, WaitTimeout
+from ._torchsetup import translate
+
+__all__ = ["GroupDist", "TorchRequest", "end_group", "group_dist"]
+
+_TEARDOWN_S = 2.0  # destroying a process group may block on a peer that is gone: then give up
+
+
+class TorchRequest:
+    """A ``Work`` in flight plus what turns its buffers into the user's result.
+
+    ``wait(work, timeout)`` is the backend's bounded wait (WaitTimeout or PeerLost);
+    ``error`` is a failure to post, raised by :meth:`wait` like any other.
+    """
+
+    __slots__ = ("_wait", "_work", "_finish", "_done", "_result", "_error")
+
+    def __init__(self, wait: Callable[[Any, float], None], work: Any, finish: Callable[[], Any],
+                 error: Exception | None = None) -> None:
+        self._wait, self._work, self._finish, self._error = wait, work, finish, error
+        self._done = False
+        self._result: Any = None
+
+    def test(self) -> bool:
+        if self._done or self._error is not None:
+            return True
+        if not self._work.is_completed():
+            return False
+        try:
+            self.wait(1.0)
+        except (WaitTimeout, PeerLost) as exc:  # kept for wait(), where the front end expects it
+            self._error = exc
+        return True
+
+    def wait(self, timeout: float) -> Any:
+        if not self._done:
+            if self._error is not None:
+                raise self._error
+            self._wait(self._work, timeout)
+            self._result = self._finish()
+            self._done = True
+            self._work, self._finish = None, _released  # drop buffer references
+        return self._result
+
+
+def _released() -> None:
+    return None
+
+
+class GroupDist:
+    """``torch.distributed`` as a group's backend calls it: every collective on ``group``, roots translated.
+
+    torch takes the roots of ``broadcast``/``reduce``/``gather`` as world ranks even
+    with ``group=``; the backend's code passes group ranks.
+    """
+
+    all_gather_single = reduce_scatter_single = None  # so the backend picks the methods below
+
+    def __init__(self, dist: Any, group: Any, ranks: tuple[int, ...]) -> None:
+        self._dist, self.group, self._ranks = dist, group, ranks
+        self.ReduceOp = dist.ReduceOp
+        self._gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._scatter_from = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    def __getattr__(self, name: str) -> Any:  # anything else (is_initialized, ...) as it is
+        return getattr(self._dist, name)
+
+    def all_reduce(self, t: Any, op: Any = None, async_op: bool = False) -> Any:
+        op = self._dist.ReduceOp.SUM if op is None else op
+        return self._dist.all_reduce(t, op, group=self.group, async_op=async_op)
+
+    def broadcast(self, t: Any, src: int, async_op: bool = False) -> Any:
+        return self._dist.broadcast(t, self._ranks[src], group=self.group, async_op=async_op)
+
+    def reduce(self, t: Any, dst: int, op: Any, async_op: bool = False) -> Any:
+        return self._dist.reduce(t, self._ranks[dst], op, group=self.group, async_op=async_op)
+
+    def gather(self, t: Any, parts: Any, dst: int, async_op: bool = False) -> Any:
+        return self._dist.gather(t, parts, self._ranks[dst], group=self.group, async_op=async_op)
+
+    def all_to_all_single(self, out: Any, send: Any, async_op: bool = False) -> Any:
+        return self._dist.all_to_all_single(out, send, group=self.group, async_op=async_op)
+
+    def all_gather_into_tensor(self, out: Any, send: Any, async_op: bool = False) -> Any:
+        return self._gather_into(out, send, group=self.group, async_op=async_op)
+
+    def reduce_scatter_tensor(self, out: Any, send: Any, op: Any, async_op: bool = False) -> Any:
+        return self._scatter_from(out, send, op, group=self.group, async_op=async_op)
+
+
+def group_dist(dist: Any, ranks: tuple[int, ...], rank: int, timeout: float,
+               device: Any = None) -> GroupDist | None:
+    """Make the process group of world ranks ``ranks`` (on every rank of the world, in the same
+    order: torch numbers the groups in order); on a member, the group's view of ``dist``, else None.
+
+    ``device``: the nccl backend's GPU (bound to the group where torch allows it).
+    """
+    kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout + max(30.0, timeout))}
+    if device is not None and "device_id" in inspect.signature(dist.new_group).parameters:
+        kwargs["device_id"] = device
+    try:
+        group = dist.new_group(list(ranks), **kwargs)
+    except RuntimeError as exc:
+        failure = translate(exc)
+        if failure is None:
+            raise
+        raise failure from exc
+    return GroupDist(dist, group, ranks) if rank in ranks else None
+
+
+def end_group(dist: Any, group: Any = None) -> None:
+    """Destroy process ``group`` (None: the default one), given up after a few seconds (module notes)."""
+    def destroy() -> None:
+        with contextlib.suppress(Exception):  # destroying after a failure may itself fail
+            dist.destroy_process_group(group)
+
+    thread = threading.Thread(target=destroy, name="phalanx-teardown", daemon=True)
+    thread.start()
+    thread.join(_TEARDOWN_S)

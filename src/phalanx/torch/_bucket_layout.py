@@ -1,0 +1,69 @@
+"""How the gradient engine lays parameters out into buckets, once, at construction.
+
+::
+
+    buckets, bucket_of, views = lay_out(params, cap_mb=25, first_mb=1.0, wire_dtype=None)
+    views[i]                  # parameter i's gradient: a view into buckets[bucket_of[i]].flat
+
+Parameters go in reverse order (autograd makes their gradients roughly in
+that order), one run of buckets per (dtype, device); the first bucket of each
+run closes at ``min(first_mb, cap_mb)`` so communication starts early, the
+others at ``cap_mb``. Buckets are numbered in the order their runs opened.
+Each flat buffer holds the gradients, one presence slot per parameter and one
+non-finite flag (:class:`~._bucket_hot.Bucket`); a 16-bit copy is made for
+``wire_dtype`` unless the gradients are 16-bit already.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._bucket_hot import Bucket
+
+__all__ = ["lay_out"]
+
+_Key = tuple[torch.dtype, torch.device]
+
+
+def lay_out(params: Sequence[torch.Tensor], *, cap_mb: float, first_mb: float,
+            wire_dtype: torch.dtype | None) -> tuple[list[Bucket], list[int], list[torch.Tensor]]:
+    """The buckets of ``params``, the bucket of each parameter, and each parameter's gradient view."""
+    groups: dict[_Key, list[int]] = {}
+    sizes: dict[_Key, int] = {}
+    made: dict[_Key, int] = {}
+    closed: list[tuple[int, list[int]]] = []  # (order of opening, indices)
+    opened: dict[_Key, int] = {}
+    serial = 0
+    for i in reversed(range(len(params))):
+        p = params[i]
+        key = (p.dtype, p.device)
+        if key not in groups:
+            groups[key], sizes[key], opened[key] = [], 0, serial
+            serial += 1
+        groups[key].append(i)
+        sizes[key] += p.numel() * p.element_size()
+        limit = (min(first_mb, cap_mb) if made.get(key, 0) == 0 else cap_mb) * 2**20
+        if sizes[key] >= limit:
+            closed.append((opened[key], groups.pop(key)))
+            made[key] = made.get(key, 0) + 1
+    closed.extend((opened[k], g) for k, g in groups.items())
+    closed.sort(key=lambda t: t[0])
+    buckets: list[Bucket] = []
+    bucket_of = [0] * len(params)
+    views: list[torch.Tensor] = [torch.empty(0)] * len(params)
+    for b, (_, indices) in enumerate(closed):
+        first = params[indices[0]]
+        numel = sum(params[i].numel() for i in indices)
+        flat = torch.zeros(numel + len(indices) + 1, dtype=first.dtype, device=first.device)
+        offset = 0
+        for i in indices:
+            p = params[i]
+            views[i] = flat[offset:offset + p.numel()].view(p.shape)
+            bucket_of[i] = b
+            offset += p.numel()
+        compress = wire_dtype is not None and first.dtype.itemsize > 2
+        wire = torch.empty(flat.numel(), dtype=wire_dtype, device=first.device) if compress else None
+        buckets.append(Bucket(indices, flat, numel, wire))
+    return buckets, bucket_of, views
