@@ -1,4 +1,4 @@
-"""``help()`` on every public name of ``phalanx``, ``phalanx.torch`` and ``phalanx.train`` stands alone.
+"""``help()`` on every public name of ``phalanx``, ``phalanx.torch``, ``phalanx.train`` and ``phalanx.jax`` stands alone.
 
 Each names every argument of its signature (a class: those of ``__init__``), starts with one line of
 semantics, and points nowhere else ("see the module docstring", "arguments as for ..."). The type
@@ -24,7 +24,19 @@ def _public(module: str) -> list[str]:
             if inspect.isclass(getattr(mod, name)) or inspect.isfunction(getattr(mod, name))]
 
 
-PUBLIC = _public("phalanx") + _public("phalanx.torch") + _public("phalanx.train")
+def _jax_names() -> list[str]:
+    """phalanx.jax's own names (its re-exports of phalanx's are checked as phalanx's), where jax is installed."""
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        return []
+    import phalanx.jax
+
+    return [q for q in _public("phalanx.jax")
+            if getattr(phalanx, q.rpartition(".")[2], None) is not getattr(phalanx.jax, q.rpartition(".")[2])]
+
+
+PUBLIC = _public("phalanx") + _public("phalanx.torch") + _public("phalanx.train") + _jax_names()
 
 
 def test_every_public_callable_is_checked() -> None:

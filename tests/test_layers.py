@@ -26,13 +26,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Leaf modules everything uses: exceptions, settings, atomic files, what a buffer is and which
     # device a rank uses (the backends move Buffers and the nccl backend picks devices: below comm).
     ("base", ("phalanx._errors", "phalanx._settings", "phalanx._files", "phalanx._arrays", "phalanx._devices",
-              "phalanx._net", "phalanx._trace")),
+              "phalanx._net")),
     ("comm", ("phalanx.comm", "phalanx.comm.")),
-    ("world/collectives", ("phalanx._world", "phalanx._collectives", "phalanx._nonblocking", "phalanx._agreement", "phalanx._failure",
+    # _current holds which world is this process's, below _world so that the trace recorder (which the
+    # world calls) can read it for start_trace.
+    ("world/collectives", ("phalanx._current", "phalanx._trace",
+                           "phalanx._world", "phalanx._collectives", "phalanx._nonblocking", "phalanx._agreement", "phalanx._failure",
                            "phalanx._output", "phalanx._groups", "phalanx._shutdown")),
     # `phalanx` itself re-exports these and the layers below.
     ("sync/data/tree/gradients", ("phalanx", "phalanx._sync", "phalanx._data", "phalanx._tree",
-                                  "phalanx._gradients", "phalanx._tracing",
+                                  "phalanx._gradients",
                                   "phalanx.jax._pytrees",  # phalanx.allreduce_gradients' JAX path
                                   "phalanx._sync_errors")),
     ("torch/jax", ("phalanx.torch", "phalanx.torch.", "phalanx.jax", "phalanx.jax.")),

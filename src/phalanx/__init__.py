@@ -58,7 +58,7 @@ from ._output import RankFilter, print, setup_logging
 from ._settings import settings
 from ._shutdown import shutdown
 from ._sync import synchronize
-from ._tracing import start_trace, stop_trace
+from ._trace import start_trace, stop_trace
 from ._world import (
     backend,
     device,

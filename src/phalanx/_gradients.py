@@ -36,6 +36,7 @@ from ._arrays import UnsupportedArgumentError
 from ._collectives import allreduce
 from ._errors import InvalidArgumentError
 from ._groups import Group
+from .comm import GradientOp
 
 __all__ = ["allreduce_gradients", "check_gradient_op", "has_jax_leaves", "pack_gradients", "unpack_gradients"]
 
@@ -56,7 +57,7 @@ def has_jax_leaves(tree: Any) -> bool:
     return any(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(tree))
 
 
-def allreduce_gradients(model_or_grads: Any, op: str = "avg", *, group: Group | None = None) -> Any:
+def allreduce_gradients(model_or_grads: Any, op: GradientOp = "avg", *, group: Group | None = None) -> Any:
     """Average (or sum) gradients across ranks in place, and return what was passed.
 
     ::
@@ -90,7 +91,7 @@ def allreduce_gradients(model_or_grads: Any, op: str = "avg", *, group: Group | 
     different structures, CollectiveTimeoutError, RankFailedError).
     """
     check_gradient_op("allreduce_gradients", op)
-    torch = sys.modules.get("torch")
+    torch: Any = sys.modules.get("torch")  # loaded iff the arguments can hold tensors
     if torch is not None and isinstance(model_or_grads, torch.nn.Module):
         _reduce_module(torch, model_or_grads, op, group)
         return model_or_grads
@@ -141,7 +142,7 @@ def _check_leaf(torch: Any, i: int, g: Any) -> None:
         "pass the module itself).")
 
 
-def _reduce_module(torch: Any, model: Any, op: str, group: Group | None = None) -> None:
+def _reduce_module(torch: Any, model: Any, op: GradientOp, group: Group | None = None) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
     groups: dict[tuple[Any, Any], list[Any]] = {}
     for p in params:

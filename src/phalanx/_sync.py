@@ -154,10 +154,12 @@ def _expand(x: Any) -> Node | None:
                                    ("LRScheduler", "_LRScheduler", "ReduceLROnPlateau"))
                        if isinstance(c, type))
     if schedulers and isinstance(x, schedulers):
+        scheduler: Any = x  # one of torch's scheduler classes, found by name above
+
         def load(values: list[Any]) -> Any:
-            x.load_state_dict(values[0])
-            return x
-        return Node([".state_dict()"], [x.state_dict()], load)
+            scheduler.load_state_dict(values[0])
+            return scheduler
+        return Node([".state_dict()"], [scheduler.state_dict()], load)
     return None
 
 

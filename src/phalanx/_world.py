@@ -25,7 +25,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Literal, Protocol, cast
 
-from . import _trace
+from . import _current, _trace
 from ._agreement import MASK, call_site, mismatch_error, timeout_error
 from ._arrays import Buffer
 from ._devices import rank_device
@@ -34,7 +34,6 @@ from ._errors import (
     CollectiveTimeoutError,
     InvalidArgumentError,
     InvalidSettingError,
-    NotInitializedError,
     RankFailedError,
     UsageError,
     WorldBrokenError,
@@ -250,28 +249,10 @@ class World:
         assert first is handle  # internal invariant, not user input
 
 
-_WORLD: World | None = None
-
-
-def current_or_none() -> World | None:
-    """The initialized world, or ``None`` before :func:`init` (for code that works either way)."""
-    return _WORLD
-
-
-def swap(world: World | None) -> World | None:
-    """Install ``world`` as this process's world and return the previous one (benchmarks use this
-    to time a second world side by side; everything else goes through :func:`init`)."""
-    global _WORLD
-    previous, _WORLD = _WORLD, world
-    return previous
-
-
-def current(what: str) -> World:
-    """The initialized world, or NotInitializedError naming ``what``."""
-    world = _WORLD
-    if world is None:
-        raise NotInitializedError(what)
-    return world
+# The slot is _current's (the trace recorder reads it from below this module); here it is typed.
+current: Callable[[str], World] = _current.current  # the world, or NotInitializedError naming the call
+current_or_none: Callable[[], World | None] = _current.current_or_none  # the world, or None before init
+swap: Callable[[World | None], World | None] = _current.swap  # install a world, return the previous one
 
 
 def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, timeout: float | None = None,
@@ -301,14 +282,14 @@ def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, tim
     another backend, BackendUnavailableError when the backend's package is missing,
     and RendezvousError/LaunchEnvironmentError when gloo/nccl ranks cannot meet.
     """
-    global _WORLD
-    if _WORLD is not None:
-        if backend not in ("auto", _WORLD.backend.name):
+    world = current_or_none()
+    if world is not None:
+        if backend not in ("auto", world.backend.name):
             raise UsageError(
                 f"phalanx.init(backend={backend!r}): already initialized with backend "
-                f"{_WORLD.backend.name!r}. Call phalanx.shutdown() first to switch backends."
+                f"{world.backend.name!r}. Call phalanx.shutdown() first to switch backends."
             )
-        return _WORLD.backend
+        return world.backend
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                 or not 0 < timeout < math.inf):
         raise InvalidArgumentError(f"phalanx.init(timeout={timeout!r}): the timeout must be a positive, "
@@ -325,9 +306,10 @@ def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, tim
     mark_rank("init")  # for `phalanx run --start-timeout`: this rank has reached init
     impl = _make_backend(name, timeout=seconds, gpu_aware_mpi=gpu_aware_mpi if gpu_aware_mpi is not None
                          else settings.gpu_aware_mpi, devices=devices)
-    _WORLD = World(impl, timeout=seconds, check=settings.check if check is None else check,
-                   debug=settings.debug if debug is None else debug, devices=devices)
-    install_abort_hook(_WORLD)
+    world = World(impl, timeout=seconds, check=settings.check if check is None else check,
+                  debug=settings.debug if debug is None else debug, devices=devices)
+    swap(world)
+    install_abort_hook(world)
     return impl
 
 
@@ -348,7 +330,7 @@ def _make_backend(name: str, *, timeout: float, gpu_aware_mpi: bool | None,
 
 def initialized() -> bool:
     """True between :func:`init` and :func:`phalanx.shutdown` (never raises; needs no world)."""
-    return _WORLD is not None
+    return current_or_none() is not None
 
 
 def backend() -> Backend:

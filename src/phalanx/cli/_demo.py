@@ -22,6 +22,7 @@ import os
 import shlex
 import sys
 import tempfile
+from typing import Any
 
 from ..launch import Launch, default_backend, launch
 
@@ -64,7 +65,7 @@ def _plural(n: int) -> str:
 
 
 def _train(n: int, backend: str, options: list[str], out: str,
-           script: str = SCRIPT) -> tuple[int, dict[str, object] | None]:
+           script: str = SCRIPT) -> tuple[int, dict[str, Any] | None]:
     """Run the script on ``n`` processes; (exit status, rank 0's results or None)."""
     command = f"phalanx run -n {n} --backend {backend} -m {script} {shlex.join(options)}"
     print(f"\n--- {_plural(n)}: {command}", flush=True)

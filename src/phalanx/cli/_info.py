@@ -66,7 +66,7 @@ def _probe_mpi() -> dict[str, Any]:
 
 def _probes(kinds: list[str]) -> dict[str, Any]:
     """Run the probes side by side, each in its own Python; merge what they found."""
-    procs = {}
+    procs: dict[str, subprocess.Popen[str] | OSError] = {}
     for kind in kinds:
         try:
             procs[kind] = subprocess.Popen([sys.executable, "-m", "phalanx.cli._info", "--probe", kind],

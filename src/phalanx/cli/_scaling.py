@@ -147,8 +147,7 @@ def variant_bytes(model: ModelShape, variant: Variant, s: Settings) -> tuple[flo
             flops += codec_flops(rows, cols, s.rank)
         else:
             rest += rows * cols
-    nbytes = 4.0 * low_rank + variant.wire_bytes * rest
-    return nbytes, (3 if rest else 2) if low_rank else 1, flops, rest if variant.wire_bytes < 4 else 0
+    return 4.0 * low_rank + variant.wire_bytes * rest, (3 if rest else 2) if low_rank else 1, flops, rest if variant.wire_bytes < 4 else 0
 
 
 def step_time(n: int, model: ModelShape, variant: Variant, fabric: Fabric, s: Settings) -> dict[str, float]:

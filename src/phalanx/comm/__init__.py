@@ -7,7 +7,7 @@ dependency (mpi4py, torch) only when a world is made with them.
 
 from __future__ import annotations
 
-from ._base import OPS, Backend, Op, Request
+from ._base import OPS, Backend, GradientOp, Op, Request
 from ._detect import BACKENDS, BackendName, detect_backend
 
-__all__ = ["BACKENDS", "OPS", "Backend", "BackendName", "Op", "Request", "detect_backend"]
+__all__ = ["BACKENDS", "OPS", "Backend", "BackendName", "GradientOp", "Op", "Request", "detect_backend"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
-__all__ = ["OPS", "Backend", "DiagnosisUnavailable", "Op", "PeerLost", "Request", "WaitTimeout"]
+__all__ = ["OPS", "Backend", "DiagnosisUnavailable", "GradientOp", "Op", "PeerLost", "Request", "WaitTimeout"]
 
 Op = Literal["sum", "prod", "min", "max", "avg"]
 Op.__doc__ = """The reduction ops of phalanx.allreduce, reduce, reduce_scatter and iallreduce (``op=``).
@@ -42,6 +42,9 @@ same op (else :class:`phalanx.CollectiveMismatchError`). Example::
     mean_loss = phalanx.allreduce(loss, op="avg")
     any_nan = phalanx.allreduce(np.isnan(x).any(), op="max")
 """
+GradientOp = Literal["avg", "sum"]
+"""How gradients are combined across ranks (and replicas): their mean, or their sum."""
+
 # Reduction ops in a fixed order: the index is the op's code in fingerprints.
 OPS: tuple[str, ...] = get_args(Op)
 

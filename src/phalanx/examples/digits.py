@@ -86,7 +86,8 @@ def count_correct(model: torch.nn.Module, x_test: torch.Tensor, y_test: torch.Te
     test_part = phalanx.DistributedDataContainer((x_test, y_test), remainder="exact")
     correct = 0
     with torch.no_grad():
-        for x, y in DataLoader(test_part, batch_size=256):
+        # any indexable sequence works as a map-style dataset; torch's annotation names its Dataset class
+        for x, y in DataLoader(test_part, batch_size=256):  # type: ignore[arg-type]
             correct += int((model(x).argmax(dim=1) == y).sum())
     correct, total = phalanx.allreduce(np.array([correct, len(test_part)])).tolist()
     return correct, total

@@ -35,7 +35,7 @@ __all__ = ["collect", "main", "write_call"]
 try:
     import cloudpickle as _pickler  # functions by value: lambdas, closures, a script's __main__
 except ImportError:  # pragma: no cover - depends on the environment
-    _pickler = None  # type: ignore[assignment]
+    _pickler = None
 
 
 def _reference(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -120,9 +120,10 @@ def main(call_dir: str) -> None:
         fn, args, kwargs = _load(call_dir)
         result = fn(*args, **kwargs)
     except BaseException as exc:
+        tb = exc.__traceback__  # from the user's function on: this runner's own frame left out
+        tb = (tb.tb_next or tb) if tb is not None else None
         record = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc)[:2000],
-                  "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next
-                                                                  or exc.__traceback__))[-20000:]}
+                  "traceback": "".join(traceback.format_exception(type(exc), exc, tb))[-20000:]}
         with write_atomically(os.path.join(call_dir, f"error-rank{rank}.json"), "w", durable=False) as f:
             json.dump(record, f)
         raise

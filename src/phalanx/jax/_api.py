@@ -7,14 +7,14 @@ from typing import Any
 import phalanx
 
 from .._errors import InvalidArgumentError
-from .._gradients import check_gradient_op, has_jax_leaves
+from .._gradients import GradientOp, check_gradient_op, has_jax_leaves
 from ._jit import is_traced, traced_allreduce, traced_reduce_tree
 from ._pytrees import COMPRESSIONS, reduce_jax_tree
 
 __all__ = ["allreduce", "allreduce_gradients"]
 
 
-def allreduce_gradients(grads: Any, op: str = "avg", *, group: Any = None,
+def allreduce_gradients(grads: Any, op: GradientOp = "avg", *, group: Any = None,
                         compression: str | None = None) -> Any:
     """A new pytree: ``grads``' arrays averaged (or summed) across ranks, one fused reduction per dtype.
 
@@ -45,7 +45,7 @@ def allreduce_gradients(grads: Any, op: str = "avg", *, group: Any = None,
     return phalanx.allreduce_gradients(grads, op, group=group)
 
 
-def allreduce(x: Any, op: str = "sum", *, group: Any = None, step: int | None = None) -> Any:
+def allreduce(x: Any, op: phalanx.Op = "sum", *, group: Any = None, step: int | None = None) -> Any:
     """``x`` reduced over ranks with ``op``, eagerly or inside ``jax.jit`` (an ordered host callback).
 
     Arguments: ``x`` (a JAX or NumPy array or scalar, alike on every rank), ``op``

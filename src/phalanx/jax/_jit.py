@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from ..comm import GradientOp, Op
 from ._pytrees import COMPRESSIONS, agree_structure, reduce_host, structure_entries
 
 __all__ = ["is_traced", "traced_allreduce", "traced_reduce_tree"]
@@ -38,7 +39,7 @@ def is_traced(tree: Any) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
 
 
-def traced_reduce_tree(tree: Any, op: str = "avg", group: Any = None, compression: str | None = None) -> Any:
+def traced_reduce_tree(tree: Any, op: GradientOp = "avg", group: Any = None, compression: str | None = None) -> Any:
     """``tree``'s array leaves reduced over ranks from traced code: one ordered callback per dtype.
 
     The leaves of a dtype go to the host as they are; the callback concatenates
@@ -67,7 +68,7 @@ def traced_reduce_tree(tree: Any, op: str = "avg", group: Any = None, compressio
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _fused_host(shapes: list[tuple[int, ...]], op: str, group: Any, wire: str | None,
+def _fused_host(shapes: list[tuple[int, ...]], op: GradientOp, group: Any, wire: str | None,
                 entries: list[tuple[str, str, list[int]]] | None) -> Any:
     sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
     ends = np.cumsum(sizes)[:-1]
@@ -82,7 +83,7 @@ def _fused_host(shapes: list[tuple[int, ...]], op: str, group: Any, wire: str | 
     return host
 
 
-def traced_allreduce(x: Any, op: str = "sum", group: Any = None) -> Any:
+def traced_allreduce(x: Any, op: Op = "sum", group: Any = None) -> Any:
     """``x`` (traced or not) reduced over ranks through an ordered host callback; same shape and dtype."""
     shape, dtype = jnp.shape(x), jnp.asarray(x).dtype
 

@@ -29,14 +29,14 @@ from typing import Any
 import optax
 
 from .._errors import InvalidArgumentError
-from .._gradients import check_gradient_op
+from .._gradients import GradientOp, check_gradient_op
 from ._api import allreduce_gradients
 from ._pytrees import COMPRESSIONS
 
 __all__ = ["DistributedOptimizer", "distributed"]
 
 
-def distributed(tx: Any = None, op: str = "avg", compression: str | None = None,
+def distributed(tx: Any = None, op: GradientOp = "avg", compression: str | None = None,
                 group: Any = None) -> Any:
     """An ``optax.GradientTransformation``: gradients reduced across ranks, then ``tx``.
 
@@ -53,9 +53,17 @@ def distributed(tx: Any = None, op: str = "avg", compression: str | None = None,
         group: a phalanx group to reduce over; None is the whole world.
 
     Returns a ``GradientTransformationExtraArgs`` whose state is ``tx``'s. Works
-    inside ``jax.jit``; given an ``optax.MultiSteps``, it communicates only on the
-    micro-steps that apply the update (module docstring). Raises
-    InvalidArgumentError for another op or compression.
+    inside ``jax.jit``. For gradient accumulation wrap ``optax.MultiSteps`` from
+    the outside, ``distributed(optax.MultiSteps(tx, k))``: it then communicates
+    only on the micro-steps that apply the update, reducing that micro-step's
+    gradient and the accumulator together (inside, ``MultiSteps(distributed(tx), k)``
+    is correct but sends on every micro-step). Raises InvalidArgumentError for
+    another op or compression.
+
+    Example::
+
+        tx = phalanx.jax.distributed(optax.adam(1e-3))
+        updates, opt_state = tx.update(grads, opt_state, params)   # grads averaged, then adam
     """
     check_gradient_op("jax.distributed", op)
     if compression not in COMPRESSIONS:
@@ -72,16 +80,17 @@ def distributed(tx: Any = None, op: str = "avg", compression: str | None = None,
     return optax.GradientTransformationExtraArgs(inner.init, update)
 
 
-def DistributedOptimizer(tx: Any = None, op: str = "avg", compression: str | None = None,  # noqa: N802
+def DistributedOptimizer(tx: Any = None, op: GradientOp = "avg", compression: str | None = None,  # noqa: N802
                          group: Any = None) -> Any:
-    """Lux's ``DistributedOptimizer`` in optax terms: the same as :func:`distributed`.
-
-    Arguments, returns and raises: see :func:`phalanx.jax.distributed`.
-    """
     return distributed(tx, op, compression, group)
 
 
-def _around_multisteps(ms: Any, op: str, compression: str | None, group: Any) -> Any:
+# One text for both names: Lux's name leads, then distributed's own documentation.
+DistributedOptimizer.__doc__ = ("Lux's ``DistributedOptimizer`` in optax terms: the same as "
+                                "``phalanx.jax.distributed``.\n\n    " + (distributed.__doc__ or ""))
+
+
+def _around_multisteps(ms: Any, op: GradientOp, compression: str | None, group: Any) -> Any:
     """MultiSteps with the reduction on its applying micro-steps only (module docstring)."""
     import jax
 

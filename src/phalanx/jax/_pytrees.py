@@ -36,6 +36,7 @@ from .._arrays import jax_host_view
 from .._collectives import allreduce
 from .._errors import CollectiveMismatchError
 from .._groups import world_for
+from ..comm import GradientOp, Op
 
 __all__ = ["COMPRESSIONS", "agree_structure", "reduce_host", "reduce_jax_tree", "structure_entries"]
 
@@ -43,7 +44,7 @@ COMPRESSIONS = {None: None, "none": None, "fp16": "float16", "bf16": "bfloat16"}
 _agreed: dict[tuple[Any, ...], None] = {}  # structures the ranks agreed on (bounded)
 
 
-def reduce_jax_tree(tree: Any, op: str = "avg", group: Any = None, compression: str | None = None,
+def reduce_jax_tree(tree: Any, op: GradientOp = "avg", group: Any = None, compression: str | None = None,
                     call: str = "allreduce_gradients") -> Any:
     """A new pytree: ``tree``'s array leaves reduced over ranks with ``op``, one allreduce per dtype.
 
@@ -85,7 +86,7 @@ def reduce_jax_tree(tree: Any, op: str = "avg", group: Any = None, compression: 
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def reduce_host(flat: np.ndarray, op: str, group: Any = None, wire: str | None = None) -> np.ndarray:
+def reduce_host(flat: np.ndarray, op: Op, group: Any = None, wire: str | None = None) -> np.ndarray:
     """``flat`` (a 1-d host array) reduced over ranks; ``wire``: a 16-bit float dtype to send it in.
 
     bfloat16 (as data or as wire) is reduced in float32, since no MPI has it;

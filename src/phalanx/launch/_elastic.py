@@ -148,7 +148,7 @@ def _next_world(job: Launch, current: Launch) -> tuple[Launch | None, str]:
                       f"{'s' * (n != 1)}, fewer than --min-ranks {least}. Bring the lost hosts back (or "
                       "lower --min-ranks) and run the same command again: the script resumes from its "
                       "last checkpoint.")
-    return dataclasses.replace(current, hosts=usable, n=n), lost  # type: ignore[call-arg]
+    return dataclasses.replace(current, hosts=usable, n=n), lost
 
 
 def probe_hosts(names: list[str], rsh: str | None = None, timeout: float = PROBE_TIMEOUT) -> dict[str, str | None]:

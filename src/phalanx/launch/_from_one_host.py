@@ -262,7 +262,7 @@ def _supervise(remotes: list[_Remote], messages: queue.Queue[tuple[_Remote, dict
 
 def _drain(messages: queue.Queue[tuple[_Remote, dict[str, Any]]]) -> list[tuple[_Remote, dict[str, Any]]]:
     """The messages that have come; outcomes are also kept on their remote."""
-    got = []
+    got: list[tuple[_Remote, dict[str, Any]]] = []
     while True:
         try:
             remote, message = messages.get_nowait()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import BinaryIO
+from typing import IO, Protocol
 
 __all__ = ["Echo", "FileFollower", "log_path", "pump"]
 
@@ -51,7 +51,15 @@ class Echo:
                 pass  # a closed console must not kill the launcher
 
 
-def pump(source: BinaryIO, sinks: list[BinaryIO], echo: Echo | None = None,
+class Sink(Protocol):
+    """Where :func:`pump` copies bytes: a binary file, a console, or a record reader."""
+
+    def write(self, data: bytes, /) -> object: ...
+
+    def flush(self) -> None: ...
+
+
+def pump(source: IO[bytes], sinks: list[Sink], echo: Echo | None = None,
          tail: bytearray | None = None, tail_max: int = 1 << 16) -> threading.Thread:
     """A daemon thread copying ``source`` to every sink (and ``echo``; the last bytes into ``tail``)."""
 

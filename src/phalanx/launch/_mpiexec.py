@@ -85,7 +85,7 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
     tails = (bytearray(), bytearray())
     records = RecordSink(job_dir)  # failures of ranks on other hosts arrive on stderr
     pumps = [pump(proc.stdout, [sys.stdout.buffer], tail=tails[0]),
-             pump(proc.stderr, [records], tail=tails[1])]  # type: ignore[list-item]
+             pump(proc.stderr, [records], tail=tails[1])]
     follower = FileFollower(job.log_dir, job.n, job.echo).start() if job.log_dir is not None else None
     watch = Watch(job_dir)
     # Ranks on other hosts cannot leave their init/ready markers in this host's job dir: the start

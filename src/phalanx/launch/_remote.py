@@ -165,7 +165,7 @@ class _Quiet:
 
 def main() -> int:
     """Read the job from stdin and run this host's ranks (the driver's side: :mod:`._from_one_host`)."""
-    sys.stderr = _Quiet(sys.stderr)  # type: ignore[assignment]
+    sys.stderr = _Quiet(sys.stderr)
     stdin = _Stdin()
     try:
         config = stdin.line()

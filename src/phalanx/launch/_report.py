@@ -81,11 +81,11 @@ def failure_report(first: int | None, start: float, records: dict[int, dict[str,
     if first is None:
         lines = ["phalanx run: the job failed, but no rank reported an error or was seen to die."]
     elif record:
-        how = f" ({describe_exit(death.code)})" if own_exit else ""  # type: ignore[arg-type]
+        how = f" ({describe_exit(death.code)})" if own_exit and death.code is not None else ""
         lines = [f"phalanx run: rank {first}{on} failed first{how}{after}: {record['type']}: {record['message']}",
                  record["traceback"].rstrip("\n")]
     else:
-        how = describe_exit(death.code) if death.code is not None else "it ended"  # type: ignore[arg-type]
+        how = describe_exit(death.code) if death.code is not None else "it ended"
         lines = [f"phalanx run: rank {first}{on} failed first{after}: {how}, without a Python traceback"
                  + (" (sys.exit or os._exit)." if (death.code or 0) > 0 else ".")]
         if death.code == -signal.SIGKILL:

@@ -203,7 +203,7 @@ def _report(job_dir: str, deaths: dict[int, Death], start: float, outcome: Outco
         outcome.type = record["type"] if record else ""
         outcome.message = (record["message"].splitlines() or [""])[0] if record else (
             describe_exit(code) if code is not None else "ended")
-    if code is None or code == 0 or deaths[first].by_launcher:
+    if first is None or code is None or code == 0 or deaths[first].by_launcher:
         return 1
     return code if code > 0 else 128 - code
 

@@ -82,7 +82,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import InvalidArgumentError, UnsupportedArgumentError
-from ..launch._call import MAIN_ALIAS
+from ..launch._call import MAIN_ALIAS, missing_results, results, write_call
 from ..launch._job import worker_command
 from ..launch._mpi_flavor import find_mpiexec
 from ..launch._procs import descendants, kill_pids
@@ -185,10 +185,7 @@ def run_world(fn: Callable[..., Any], n: int = 2, backend: str = "mpi", *, timeo
         sys.modules.setdefault(MAIN_ALIAS, sys.modules["__main__"])  # results from the ranks name it
     tmp = tempfile.mkdtemp(prefix="phalanx-world-")
     try:
-        with open(os.path.join(tmp, "call.json"), "w") as f:
-            json.dump(call, f)
-        with open(os.path.join(tmp, "args.pkl"), "wb") as f:
-            pickle.dump(tuple(args), f, protocol=pickle.HIGHEST_PROTOCOL)
+        write_call(tmp, call, pickle.dumps(tuple(args), protocol=pickle.HIGHEST_PROTOCOL))
         logs = os.path.join(tmp, "logs")
         full_env = dict(os.environ, PHALANX_BACKEND=backend, PYTHONUNBUFFERED="1", **(env or {}))
         returncode, report, elapsed, timed_out = _run(_world_command(n, backend, tmp, logs), full_env, timeout)
@@ -196,13 +193,13 @@ def run_world(fn: Callable[..., Any], n: int = 2, backend: str = "mpi", *, timeo
             outputs, report = {0: report}, ""
         else:
             outputs = {r: _read(os.path.join(logs, f"rank.{r}.log")) for r in range(n)}
-        results = [os.path.join(tmp, f"result-rank{r}.pkl") for r in range(n)]
-        if returncode == 0 and all(os.path.exists(p) for p in results):
-            return [_load(path) for path in results]
+        returned = results(tmp, n) if returncode == 0 else None
+        if returned is not None:
+            return returned
         if timed_out:
             what = f"did not finish within timeout={timeout:g} s; every process was killed"
         elif returncode == 0:
-            missing = [r for r, p in enumerate(results) if not os.path.exists(p)]
+            missing = missing_results(tmp, n)
             what = f"exited 0 but ranks {missing} returned no value (did fn call sys.exit or os._exit?)"
         else:
             what = f"failed with exit status {returncode} after {elapsed:.1f} s"
@@ -231,11 +228,6 @@ def _world_command(n: int, backend: str, call_dir: str, logs: str) -> list[str]:
         return worker_command(target)
     job = {"n": n, "backend": backend, "target": target, "log_dir": logs, "echo": False}
     return [sys.executable, "-m", "phalanx.launch", json.dumps(job)]
-
-
-def _load(path: str) -> Any:
-    with open(path, "rb") as f:
-        return pickle.load(f)
 
 
 def _locate(fn: Callable[..., Any]) -> dict[str, Any]:

@@ -20,12 +20,11 @@ from .._agreement import agree, first_difference
 from .._errors import CollectiveMismatchError
 from .._groups import world_for
 from .._world import World
+from ..comm import GradientOp
 from ._powersgd import PowerSGD
 
 __all__ = ["Compression", "GradientOp", "backend_call", "verify_same_structure"]
 
-GradientOp = Literal["avg", "sum"]
-"""How gradients are combined across ranks (and replicas): their mean, or their sum."""
 Compression = Literal["bf16", "fp16", "powersgd"] | PowerSGD
 """How gradients travel: 16-bit (``"bf16"``/``"fp16"``), low-rank (``"powersgd"`` or a :class:`PowerSGD`),
 or in full precision (``None`` where a signature allows it)."""

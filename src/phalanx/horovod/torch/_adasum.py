@@ -46,7 +46,7 @@ def combine(vectors: list[Any]) -> Any:
     return vectors[0]
 
 
-def adasum_allreduce(out: Any, n: int, group_kwargs: dict[str, Any]) -> Any:
+def adasum_allreduce(out: Any, n: int, group: Any) -> Any:
     """Replace tensor ``out`` by the Adasum of every rank's ``out`` (``n`` ranks in the process set)."""
     if n & (n - 1):
         raise HorovodUnsupportedError(
@@ -54,7 +54,7 @@ def adasum_allreduce(out: Any, n: int, group_kwargs: dict[str, Any]) -> Any:
             "(as in Horovod). Use op=hvd.Average, or 2, 4, 8, ... ranks.")
     if n == 1:
         return out
-    gathered = phalanx.allgather(out.detach().contiguous(), **group_kwargs)
+    gathered = phalanx.allgather(out.detach().contiguous(), group=group)
     flat = gathered.reshape(n, -1).double()
     result = combine([flat[i] for i in range(n)])
     out.copy_(result.reshape(out.shape).to(out.dtype))

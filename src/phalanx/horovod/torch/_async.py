@@ -24,7 +24,7 @@ from ..._errors import InvalidArgumentError
 from . import _impl, _join
 from ._basics import _on_shutdown
 from ._errmap import horovod_errors
-from ._process_sets import ProcessSet, global_process_set, group_kwargs, set_size
+from ._process_sets import ProcessSet, global_process_set, set_group, set_size
 
 __all__ = [
     "allgather_async", "allreduce_async", "allreduce_async_", "alltoall_async", "broadcast_async",
@@ -78,7 +78,7 @@ def _allreduce_async(call: str, out: torch.Tensor, average: Any, name: Any, op: 
     integer_average = op == _impl.Average and not out.is_floating_point()
     phalanx_op: phalanx.Op = "avg" if op == _impl.Average and not integer_average else \
         ("sum" if op == _impl.Average else _impl._PHALANX_OPS[op])
-    handle = phalanx.iallreduce(out, phalanx_op, step=step, **group_kwargs(ps, call))
+    handle = phalanx.iallreduce(out, phalanx_op, step=step, group=set_group(ps, call))
 
     def finish() -> torch.Tensor:
         if integer_average:
@@ -157,7 +157,7 @@ def _broadcast_async(call: str, out: torch.Tensor, root_rank: int, name: Any, ps
     if not isinstance(root_rank, int) or isinstance(root_rank, bool):
         raise InvalidArgumentError(f"hvd.{call}(root_rank={root_rank!r}): pass the global rank of the sender.")
     root = ps.set_rank_of(root_rank, call) if ps is not global_process_set else root_rank
-    handle = phalanx.ibroadcast(out, root, step=step, **group_kwargs(ps, call))
+    handle = phalanx.ibroadcast(out, root, step=step, group=set_group(ps, call))
     return _register(_Pending(handle, None, lambda: out, None, name))
 
 

@@ -42,12 +42,6 @@ def group_of(process_set: Any) -> Any:
     return None
 
 
-def group_kw(process_set: Any) -> dict[str, Any]:
-    """``{"group": g}`` for a process set other than the global one, else ``{}``."""
-    group = group_of(process_set)
-    return {} if group is None else {"group": group}
-
-
 def group_root(call: str, root_rank: Any, process_set: Any) -> int:
     """Horovod's ``root_rank`` (a rank of the job) as the root phalanx's collectives take (a group rank)."""
     if isinstance(root_rank, bool) or not isinstance(root_rank, int):
@@ -108,7 +102,7 @@ def broadcast_parameters(params: Any, root_rank: int, process_set: Any = None) -
     root = group_root(call, root_rank, process_set)
     tensors = [p for _, p in _pairs(call, params)]
     with torch.no_grad():
-        phalanx.synchronize(tensors, root=root, **group_kw(process_set))
+        phalanx.synchronize(tensors, root=root, group=group_of(process_set))
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
@@ -142,12 +136,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     if len(optimizer.state) == 0:
         _create_state(optimizer)
     with torch.no_grad():
-        phalanx.synchronize(optimizer, root=root, **group_kw(process_set))
-    scalars = {(g, k): v for g, group in enumerate(optimizer.param_groups)
+        phalanx.synchronize(optimizer, root=root, group=group_of(process_set))
+    scalars: dict[tuple[Any, str], Any] = {(g, k): v for g, group in enumerate(optimizer.param_groups)
                for k, v in group.items() if k != "params"}
     scalars.update({(p_key, name): v for p_key, state in _states(optimizer)
                     for name, v in state.items() if not isinstance(v, torch.Tensor)})
-    received = phalanx.broadcast_object(scalars, root=root, allow_pickle=True, **group_kw(process_set))
+    received = phalanx.broadcast_object(scalars, root=root, allow_pickle=True, group=group_of(process_set))
     states = dict(_states(optimizer))
     for (where, name), value in received.items():
         if isinstance(where, int) and where < len(optimizer.param_groups):
@@ -193,7 +187,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None, proc
     set), CollectiveTimeoutError, RankFailedError.
     """
     root = group_root("broadcast_object", root_rank, process_set)
-    return phalanx.broadcast_object(obj, root=root, allow_pickle=True, **group_kw(process_set))
+    return phalanx.broadcast_object(obj, root=root, allow_pickle=True, group=group_of(process_set))
 
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
@@ -206,4 +200,4 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = None)
 
     Collective over the process set. Raises CollectiveTimeoutError, RankFailedError.
     """
-    return phalanx.allgather_object(obj, allow_pickle=True, **group_kw(process_set))
+    return phalanx.allgather_object(obj, allow_pickle=True, group=group_of(process_set))

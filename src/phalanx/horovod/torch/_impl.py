@@ -27,7 +27,7 @@ from ..._errors import InvalidArgumentError, UnsupportedArgumentError
 from .._errors import DuplicateNameError, HorovodMismatchError
 from . import _join
 from ._adasum import adasum_allreduce
-from ._process_sets import ProcessSet, global_process_set, group_kwargs, set_size
+from ._process_sets import ProcessSet, global_process_set, set_group, set_size
 
 __all__ = ["Adasum", "Average", "Max", "Min", "Product", "Sum"]
 
@@ -96,7 +96,7 @@ def _reduce(out: torch.Tensor, op: phalanx.Op, step: int | None, ps: ProcessSet,
                 raise
             _join.reduce_with_joined(out.view(-1), op, call)
         return out
-    phalanx.allreduce(out, op, step=step, **group_kwargs(ps, call))
+    phalanx.allreduce(out, op, step=step, group=set_group(ps, call))
     return out
 
 
@@ -112,7 +112,7 @@ def allreduce_into(out: torch.Tensor, op: int, pre: float, post: float, ps: Proc
     scale(out, pre)
     if op == Adasum:
         guard_join(call, ps)
-        adasum_allreduce(out, set_size(ps), group_kwargs(ps, call))
+        adasum_allreduce(out, set_size(ps), set_group(ps, call))
     elif op == Average:
         if out.is_floating_point():
             _reduce(out, "avg", step, ps, call)
@@ -129,7 +129,7 @@ def mismatch_on_dims(call: str, dims: list[int], what: str) -> HorovodMismatchEr
 
 def gather_dim0(x: torch.Tensor, ps: ProcessSet, step: int | None, call: str) -> list[int]:
     """Every set rank's first dimension (one small allgather)."""
-    sizes = phalanx.allgather(torch.tensor([x.shape[0]], dtype=torch.int64), step=step, **group_kwargs(ps, call))
+    sizes = phalanx.allgather(torch.tensor([x.shape[0]], dtype=torch.int64), step=step, group=set_group(ps, call))
     return sizes.view(-1).tolist()
 
 
@@ -144,14 +144,14 @@ def allgather(tensor: torch.Tensor, ps: ProcessSet, step: int | None, call: str 
         return x.clone()
     counts = gather_dim0(x, ps, step, call)
     rest, top = tuple(x.shape[1:]), max(counts)
-    kwargs = group_kwargs(ps, call)
+    group = set_group(ps, call)
     if top == 0:
         return x.new_empty((0, *rest))
     if min(counts) == top:
-        return phalanx.allgather(x, **kwargs).reshape(n * top, *rest)
+        return phalanx.allgather(x, group=group).reshape(n * top, *rest)
     padded = x.new_zeros((top, *rest))
     padded[: x.shape[0]] = x
-    gathered = phalanx.allgather(padded, **kwargs)
+    gathered = phalanx.allgather(padded, group=group)
     return torch.cat([gathered[i, : counts[i]] for i in range(n)])
 
 
@@ -162,7 +162,7 @@ def broadcast_into(out: torch.Tensor, root_rank: int, ps: ProcessSet, step: int 
     if not isinstance(root_rank, int) or isinstance(root_rank, bool):
         raise InvalidArgumentError(f"hvd.{call}(root_rank={root_rank!r}): pass the global rank of the sender, an int.")
     root = ps.set_rank_of(root_rank, call) if ps is not global_process_set else root_rank
-    phalanx.broadcast(out, root=root, step=step, **group_kwargs(ps, call))
+    phalanx.broadcast(out, root=root, step=step, group=set_group(ps, call))
     return out
 
 
@@ -188,11 +188,11 @@ def alltoall(tensor: torch.Tensor, splits: Any, ps: ProcessSet, step: int | None
         raise InvalidArgumentError(f"hvd.{call}: a scalar has no first dimension to split; pass a 1-d tensor.")
     n, rest = set_size(ps), tuple(x.shape[1:])
     sends = _splits(call, splits, x.shape[0], n)
-    kwargs = group_kwargs(ps, call)
+    group = set_group(ps, call)
     split_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
     if n == 1:
         return x[: sends[0]].clone(), torch.tensor(sends, dtype=split_dtype)
-    matrix = phalanx.allgather(torch.tensor(sends, dtype=torch.int64), step=step, **kwargs).view(n, n)
+    matrix = phalanx.allgather(torch.tensor(sends, dtype=torch.int64), step=step, group=group).view(n, n)
     me = ps.rank() if ps is not global_process_set else phalanx.rank()
     received = matrix[:, me].tolist()
     top = int(matrix.max())
@@ -200,13 +200,13 @@ def alltoall(tensor: torch.Tensor, splits: Any, ps: ProcessSet, step: int | None
     if top == 0:
         return x.new_empty((0, *rest)), counts
     if int(matrix.min()) == top and sum(sends) == x.shape[0]:
-        return phalanx.alltoall(x, **kwargs), counts
+        return phalanx.alltoall(x, group=group), counts
     padded = x.new_zeros((n * top, *rest))
     offset = 0
     for j, rows in enumerate(sends):
         padded[j * top: j * top + rows] = x[offset: offset + rows]
         offset += rows
-    moved = phalanx.alltoall(padded, **kwargs)
+    moved = phalanx.alltoall(padded, group=group)
     return torch.cat([moved[i * top: i * top + received[i]] for i in range(n)]), counts
 
 
@@ -221,12 +221,12 @@ def reducescatter(tensor: torch.Tensor, op: int, pre: float, post: float, ps: Pr
         raise InvalidArgumentError(f"hvd.{call}: a scalar has no first dimension to scatter; pass a 1-d tensor.")
     x = scale(tensor.detach().clone(memory_format=torch.contiguous_format), pre)
     n, dim0, rest = set_size(ps), tensor.shape[0], tuple(tensor.shape[1:])
-    kwargs = group_kwargs(ps, call)
+    group = set_group(ps, call)
     phalanx_op: phalanx.Op = "avg" if op == Average and x.is_floating_point() else "sum"
     if n == 1:
         out = x
     elif dim0 % n == 0:
-        out = phalanx.reduce_scatter(x, phalanx_op, step=step, **kwargs)
+        out = phalanx.reduce_scatter(x, phalanx_op, step=step, group=group)
     else:
         dims = gather_dim0(x, ps, step, call)
         if len(set(dims)) > 1:
@@ -240,8 +240,8 @@ def reducescatter(tensor: torch.Tensor, op: int, pre: float, post: float, ps: Pr
             padded[r * top: r * top + rows] = x[offset: offset + rows]
             offset += rows
         me = phalanx.rank() if ps is global_process_set else ps.rank()
-        assert me is not None  # group_kwargs above refused a set that is not registered
-        out = phalanx.reduce_scatter(padded, phalanx_op, **kwargs)[: base + (me < extra)].contiguous()
+        assert me is not None  # set_group above refused a set that is not registered
+        out = phalanx.reduce_scatter(padded, phalanx_op, group=group)[: base + (me < extra)].contiguous()
     if op == Average and not out.is_floating_point():
         out.floor_divide_(n)
     return scale(out, post)

@@ -29,7 +29,7 @@ from ._autograd import (
 )
 from ._errmap import horovod_errors
 from ._impl import Adasum, Average, Max, Min, Product, Sum
-from ._process_sets import ProcessSet, global_process_set, group_kwargs
+from ._process_sets import ProcessSet, global_process_set, set_group
 
 __all__ = [
     "Adasum", "Average", "Max", "Min", "Product", "Sum", "allgather", "allreduce", "allreduce_", "alltoall",
@@ -237,4 +237,4 @@ def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None, 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Wait until every rank of the process set has called ``barrier``, bounded by phalanx's timeout."""
     _impl.guard_join("barrier", process_set)
-    phalanx.barrier(**group_kwargs(process_set, "barrier"))
+    phalanx.barrier(group=set_group(process_set, "barrier"))

@@ -96,15 +96,15 @@ _registered: dict[int, ProcessSet] = {}
 _next_id = [1]
 
 
-def group_kwargs(process_set: ProcessSet, call: str) -> dict[str, Any]:
-    """``{}`` for the global set, ``{"group": g}`` for a registered one (for phalanx's collectives)."""
+def set_group(process_set: ProcessSet, call: str) -> Any:
+    """The phalanx group of a registered set, for phalanx's collectives' ``group=`` (None: the whole world)."""
     if process_set is global_process_set:
-        return {}
+        return None
     if not isinstance(process_set, ProcessSet) or process_set.process_set_id is None:
         raise InvalidArgumentError(
             f"hvd.{call}(process_set={process_set!r}): not a registered process set; register it on every "
             "rank with hvd.add_process_set(ps) or hvd.init(process_sets=[ps]) first.")
-    return {} if process_set.process_set_id == 0 else {"group": process_set._group}
+    return None if process_set.process_set_id == 0 else process_set._group
 
 
 def set_size(process_set: ProcessSet) -> int:
