@@ -64,9 +64,12 @@ def test_initialize_distributed_lets_jax_pmean_over_the_processes(backend: str, 
     assert results == [[(n + 1) / 2] * 3] * n, results
 
 
-def test_import_phalanx_jax_imports_jax_but_import_phalanx_does_not() -> None:
+def test_import_phalanx_jax_imports_jax_but_import_phalanx_does_not_and_optax_waits_for_its_names() -> None:
     code = ("import sys, phalanx; assert 'jax' not in sys.modules, 'phalanx imported jax'; "
-            "import phalanx.jax; assert 'jax' in sys.modules and 'optax' in sys.modules")
+            "import phalanx.jax; assert 'jax' in sys.modules and 'optax' not in sys.modules, 'optax at import'; "
+            "tx = phalanx.jax.DistributedOptimizer(); assert 'optax' in sys.modules; "
+            "from phalanx.jax import distributed; assert distributed is sys.modules['phalanx.jax._optax'].distributed; "
+            "assert not hasattr(phalanx.jax, 'no_such_name')")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
