@@ -116,9 +116,9 @@ class Agreeing(Protocol):
     calls: int
     timeout: float
     backend: Backend
-    broken: str | None
 
     def ready(self, call: str) -> None: ...
+    def mark_broken(self, why: str) -> None: ...
     def guard(self, call: str) -> AbstractContextManager[Any]: ...
     def describe(self, call: str, buf: Any, op: str | None, root: int) -> dict[str, Any]: ...
     def allgather_json(self, call: str, value: Any) -> list[Any]: ...
@@ -153,7 +153,7 @@ def agree(world: Agreeing, call: str, value: Any, detail: Callable[[], Any] | No
     if any(e["call"] != call for e in entries):  # some rank is in another call: the calls' mismatch
         error = mismatch_error(call, world.rank, entries)
         if isinstance(error, RankFailedError):
-            world.broken = f"a peer called shutdown() during {call}"
+            world.mark_broken(f"a peer called shutdown() during {call}")  # a group's breaks its world too
         raise error
     return [e["detail"] for e in entries]
 

@@ -91,20 +91,19 @@ class GroupWorld(World):
     def _world_rank(self, r: int) -> int:
         return self.group.ranks[r]
 
-    def _break(self, why: str) -> None:
-        super()._break(why)
+    def mark_broken(self, why: str) -> None:
+        super().mark_broken(why)
         if self.parent.broken is None:  # the job ends as for any failure: the abort hook reads this
             self.parent.broken = f"{why} in {self._label()}"
 
     def timed_out(self, call: str) -> CollectiveTimeoutError:
         """Diagnose which members are missing (bounded), break the group and the world, build the error."""
-        self._pending.clear()
         error = timeout_error(self.backend, call, self.calls, self.timeout, members=self.group.ranks)
-        self._break(f"{call} timed out")
+        self.mark_broken(f"{call} timed out")
         return error
 
     def peer_lost(self, call: str, exc: BaseException) -> RankFailedError:
-        self._break(f"a peer was lost during {call}")
+        self.mark_broken(f"a peer was lost during {call}")
         return RankFailedError(
             f"phalanx.{call} in {self._label()}: a member died or closed its connection ({exc}). The "
             "failing rank's own error is in its output (`phalanx run` reports it first). This group and "

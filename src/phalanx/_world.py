@@ -185,7 +185,7 @@ class World:
         entries = self.allgather_json(call, self.describe(call, buf, op, root, step))
         error = mismatch_error(call, self.rank, entries)
         if isinstance(error, RankFailedError):
-            self._break(f"a peer called shutdown() during {call}")
+            self.mark_broken(f"a peer called shutdown() during {call}")
         raise error
 
     def allgather_json(self, call: str, value: Any) -> list[Any]:
@@ -201,18 +201,18 @@ class World:
     def timed_out(self, call: str) -> CollectiveTimeoutError:
         """Diagnose which ranks are missing (bounded), mark the world broken, build the error."""
         error = timeout_error(self.backend, call, self.calls, self.timeout)
-        self._break(f"{call} timed out")
+        self.mark_broken(f"{call} timed out")
         return error
 
     def peer_lost(self, call: str, exc: BaseException) -> RankFailedError:
-        self._break(f"a peer was lost during {call}")
+        self.mark_broken(f"a peer was lost during {call}")
         return RankFailedError(
             f"phalanx.{call}: a peer rank died or closed its connection ({exc}). The failing rank's "
             "own error is in its output (`phalanx run` reports it first). This world cannot be used "
             "any more."
         )
 
-    def _break(self, why: str) -> None:
+    def mark_broken(self, why: str) -> None:
         """Mark the world unusable (``why``) and drop its pending non-blocking calls."""
         self._pending.clear()
         self.broken = why
