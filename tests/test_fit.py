@@ -56,7 +56,8 @@ def test_sigterm_checkpoint_and_resume_equal_an_uninterrupted_run(worlds, tmp_pa
                                                                   written_at: int, resumed_at: int, phase: str,
                                                                   behaviour: str) -> None:
     directory = _shared_dir(tmp_path_factory, "resume", backend)
-    worlds.check(bodies.resume, backend, written_at, bodies.RESUME_WRITE.names[0], timeout=120,
+    written = behaviour if phase == "write" else bodies.RESUME_WRITE.names[0]
+    worlds.check(bodies.resume, backend, written_at, written, timeout=120,
                  op_timeout=60, args=(directory, "write"))  # the resume needs the written checkpoint
     if phase == "resume":
         worlds.check(bodies.resume, backend, resumed_at, behaviour, timeout=120, op_timeout=60,

@@ -117,10 +117,10 @@ class World:
 EQUIVALENCE = Behaviours()
 
 
-def _same_as_one_process(w: World, make_opt: Any, acc: int) -> None:
+def _same_as_one_process(w: World, make_opt: Any, acc: int, shard: str | None = None) -> None:
     torch = w.torch
     m = w.fresh(100)
-    h = w.fit(m, opt=make_opt(torch, m), steps=7, accumulate=acc, val_data=w.val, val_every=3)
+    h = w.fit(m, opt=make_opt(torch, m), steps=7, accumulate=acc, val_data=w.val, val_every=3, shard=shard)
     ref = reference(torch, w.start, make_opt, w.ds, steps=7, accumulate=acc)
     assert same(torch, m, ref), f"fit on {w.size} ranks differs from one process"
     assert h["val/samples"] == [23.0] * 3, h["val/samples"]  # every sample once, at steps 3, 6, 7
@@ -132,6 +132,9 @@ def _same_as_one_process(w: World, make_opt: Any, acc: int) -> None:
 
 for _name, _opt, _acc in (("sgd", sgd, 1), ("adam", adam, 1), ("sgd-accumulate", sgd, 2)):
     EQUIVALENCE.add(f"{_name}-equals-one-process", _same_as_one_process, _opt, _acc)
+for _name, _opt, _acc, _shard in (("adam-shard=gradients", adam, 1, "gradients"),
+                                  ("sgd-accumulate-shard=optimizer", sgd, 2, "optimizer")):
+    EQUIVALENCE.add(f"{_name}-equals-one-process", _same_as_one_process, _opt, _acc, _shard)
 
 
 def _users_wrapper_is_used_as_it_is(w: World, kind: str) -> None:
@@ -326,13 +329,13 @@ def failures(tmp: str) -> dict[str, str | None]:
 RESUME_WRITE, RESUME_READ = Behaviours(), Behaviours()
 
 
-def _resume_run(w: World, loss_fn: Any, resume: Any) -> Any:
+def _resume_run(w: World, loss_fn: Any, resume: Any, shard: str | None = None, sub: str = "") -> Any:
     torch = w.torch
     m = w.fresh(60) if resume is None else model(torch, 70 + w.rank)  # resumed: the checkpoint decides
-    logger = w.pt.JSONLinesLogger(os.path.join(w.tmp, "metrics.jsonl"))
+    logger = w.pt.JSONLinesLogger(os.path.join(w.tmp, f"metrics{sub}.jsonl"))
     h = w.pt.fit(m, loss_fn, adam(torch, m), w.ds, batch_size=GLOBAL // w.size, steps=10, val_data=w.val,
-                 scheduler=_step_lr, checkpoint_dir=os.path.join(w.tmp, "ckpt"), checkpoint_every=3,
-                 resume=resume, loggers=[logger], log_every=2, progress=False)
+                 scheduler=_step_lr, checkpoint_dir=os.path.join(w.tmp, f"ckpt{sub}"), checkpoint_every=3,
+                 resume=resume, loggers=[logger], log_every=2, progress=False, shard=shard)
     return m, h
 
 
@@ -344,6 +347,15 @@ def _step_lr(opt: Any) -> Any:
 
 @RESUME_WRITE.behaviour("sigterm-on-rank-0-stops-every-rank-after-the-step-with-a-checkpoint")
 def _(w: World) -> None:
+    _stopped_by_sigterm(w, None, "")
+
+
+@RESUME_WRITE.behaviour("sharded-run-stopped-by-sigterm-writes-a-whole-checkpoint")
+def _(w: World) -> None:
+    _stopped_by_sigterm(w, "gradients", "-sharded")
+
+
+def _stopped_by_sigterm(w: World, shard: str | None, sub: str) -> None:
     calls = {"n": 0}
 
     def stopping(out: Any, y: Any) -> Any:
@@ -352,10 +364,10 @@ def _(w: World) -> None:
             os.kill(os.getpid(), signal.SIGTERM)
         return w.ce(out, y)
 
-    _, h = _resume_run(w, stopping, None)
+    _, h = _resume_run(w, stopping, None, shard, sub)
     assert h.stopped == ("SIGTERM" if w.rank == 0 else "signal on another rank"), h.stopped
     assert h.summary["steps"] == 5, h.summary
-    names = sorted(os.listdir(os.path.join(w.tmp, "ckpt")))
+    names = sorted(os.listdir(os.path.join(w.tmp, f"ckpt{sub}")))
     assert any(n.endswith("000000005.pt") for n in names), names
 
 
@@ -371,6 +383,14 @@ def _(w: World) -> None:
         steps = [r["step"] for r in lines if "train/loss" in r]
         assert steps[:2] == [2, 4] and steps[-1] == 10, steps  # the first run's lines are kept
         assert os.path.getsize(os.path.join(w.tmp, "ckpt", "curves.png")) > 1000
+
+
+@RESUME_READ.behaviour("sharded-checkpoint-resumed-sharded-otherwise-equals-an-uninterrupted-run")
+def _(w: World) -> None:
+    m, h = _resume_run(w, w.ce, "latest", "optimizer", "-sharded")  # written with shard="gradients"
+    assert h.summary["steps"] == 10 and h.stopped is None, h.summary
+    ref = reference(w.torch, w.start, adam, w.ds, steps=10, make_sched=_step_lr)
+    assert same(w.torch, m, ref, tol=1e-7), "resumed sharded run differs from the uninterrupted one"
 
 
 def resume(tmp: str, phase: str) -> dict[str, str | None]:

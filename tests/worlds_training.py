@@ -319,10 +319,11 @@ def zero_grad_in_flight() -> None:
         model(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
     exc = raised.value
     assert "boom in backward" in str(exc)
-    with raises(phalanx.UsageError, "zero_grad() with reductions in flight must raise") as raised:
-        opt.zero_grad()
-    exc = raised.value
-    assert "in flight" in str(exc) and "reduce_gradients()" in str(exc), exc
+    if n > 1:  # a world of one launches nothing (it has nothing to reduce): nothing is in flight
+        with raises(phalanx.UsageError, "zero_grad() with reductions in flight must raise") as raised:
+            opt.zero_grad()
+        exc = raised.value
+        assert "in flight" in str(exc) and "reduce_gradients()" in str(exc), exc
     opt.reduce_gradients()  # completes what the aborted backward launched (and the rest, as zeros)
     opt.zero_grad()
 

@@ -10,7 +10,9 @@ Semantics (the same on every backend):
 * ``allgather``/``gather`` stack the ranks' buffers on a new first axis;
   ``gather`` returns ``None`` off the root. ``reduce`` leaves non-root ranks
   their input. ``reduce_scatter``/``alltoall`` split the first axis into
-  ``size()`` equal chunks.
+  ``size()`` equal chunks. ``counts=`` gives ``reduce_scatter`` and
+  ``allgather`` shards of unequal size, ``out=`` a preallocated result
+  (:mod:`phalanx._shards`).
 * ``group=``: every collective can run on a group of ranks made by
   :func:`phalanx.new_group` (see :mod:`phalanx._groups`).
 """
@@ -20,11 +22,14 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
+import numpy as np
+
 from . import _trace
 from ._arrays import FLOAT_DTYPES, Buffer, as_buffer
 from ._errors import InvalidArgumentError, UnsupportedArgumentError, UsageError
 from ._groups import Group, world_for
 from ._settings import settings
+from ._shards import CountedBuffer, check_counts, check_out, concatenated, padded, unpadded, write_out
 from ._world import World, current
 from .comm._base import OPS, Op
 
@@ -170,23 +175,61 @@ def reduce(x: Any, op: Op = "sum", root: int = 0, *, step: int | None = None, gr
     return buf.finish(_run(world, "reduce", world.backend.reduce, buf.data, op, root, buf.inplace))
 
 
-def allgather(x: Any, *, step: int | None = None, group: Group | None = None) -> Any:
-    """Every rank's ``x`` stacked on a new first axis: shape ``(size(), *x.shape)``, in rank order.
+def allgather(x: Any, *, counts: Any = None, out: Any = None, step: int | None = None,
+              group: Group | None = None) -> Any:
+    """Every rank's ``x`` in rank order: stacked on a new first axis, or concatenated with ``counts``.
+
+    >>> phalanx.allgather(np.array([rank]))                     # on 3 ranks: [[0], [1], [2]]
+    >>> phalanx.allgather(np.full(rank, rank), counts=[0, 1, 2])  # [1, 2, 2]
 
     Arguments: ``x`` (array, tensor or scalar, the same shape and dtype on every
     rank; not modified), ``step`` (an optional int label, the same on every rank).
+
+    ``counts``: None (default) stacks: the result has shape ``(size(), *x.shape)``. A
+    sequence of non-negative ints, one per rank and the same on every rank, gathers
+    shards of unequal size (like MPI's Allgatherv): rank ``i``'s ``x`` has
+    ``counts[i]`` rows (``x.shape[0] == counts[rank]``; the other axes alike on every
+    rank) and the result is their concatenation along the first axis, shape
+    ``(sum(counts), *x.shape[1:])``.
+
+    ``out``: an array or tensor of the result's shape, dtype and kind (and device) to
+    write the result into; it is returned. Not for JAX arrays (immutable).
 
     ``group``: a :class:`Group` from :func:`new_group` runs the call among its members
     only (ranks and roots are group ranks); None (default) is the whole world; a rank
     outside the group gets NotInGroupError.
 
-    Returns a new array or tensor like ``x``. Raises UnsupportedArgumentError,
-    CollectiveMismatchError, CollectiveTimeoutError, RankFailedError.
+    Returns a new array or tensor like ``x`` (``out`` when given). Raises
+    InvalidArgumentError (bad ``counts`` or ``out``), UnsupportedArgumentError,
+    CollectiveMismatchError (ranks disagree on shapes, dtypes, counts or steps),
+    CollectiveTimeoutError, RankFailedError.
     """
     world = world_for(group, "allgather")
     buf = as_buffer(x, "allgather")
-    world.enter("allgather", buf, None, -1, _check_step("allgather", step))
-    return buf.back(_run(world, "allgather", world.backend.allgather, buf.data))
+    _check_step("allgather", step)
+    if counts is None:
+        if out is not None:
+            check_out("allgather", out, buf, (world.size, *buf.shape))
+        world.enter("allgather", buf, None, -1, step)
+        result = _run(world, "allgather", world.backend.allgather, buf.data)
+        return write_out(out, result) if out is not None else buf.back(result)
+    sizes = check_counts("allgather", counts, buf, world.size, None)
+    if buf.shape[0] != sizes[world.rank]:
+        raise InvalidArgumentError(
+            f"phalanx.allgather(counts={list(sizes)}): x has {buf.shape[0]} rows (shape {list(buf.shape)}) "
+            f"but counts[{world.rank}] is {sizes[world.rank]} on rank {world.rank}; each rank's x must have "
+            "counts[rank] rows along the first axis.")
+    shape = (sum(sizes), *buf.shape[1:])
+    if out is not None:
+        check_out("allgather", out, buf, shape)
+    world.enter("allgather", CountedBuffer(buf, sizes, shape), None, -1, step)
+    width = max(sizes)
+    if width == 0:  # nothing to move: every shard is empty
+        result = buf.data.copy() if isinstance(buf.data, np.ndarray) else buf.data.clone()
+    else:
+        stacked = _run(world, "allgather", world.backend.allgather, padded(buf.data, sizes, width, False))
+        result = concatenated(stacked, sizes)
+    return write_out(out, result) if out is not None else buf.back(result)
 
 
 def gather(x: Any, root: int = 0, *, step: int | None = None, group: Group | None = None) -> Any:
@@ -210,29 +253,60 @@ def gather(x: Any, root: int = 0, *, step: int | None = None, group: Group | Non
     return buf.back(_run(world, "gather", world.backend.gather, buf.data, root))
 
 
-def reduce_scatter(x: Any, op: Op = "sum", *, step: int | None = None, group: Group | None = None) -> Any:
-    """Reduce ``x`` with ``op`` and give rank ``i`` chunk ``i`` of the result's first axis.
+def reduce_scatter(x: Any, op: Op = "sum", *, counts: Any = None, out: Any = None, step: int | None = None,
+                   group: Group | None = None) -> Any:
+    """Reduce ``x`` with ``op`` and give each rank its own rows of the result's first axis.
 
-    Arguments: ``x`` (array or tensor whose first axis is ``size() * k``, alike on
-    every rank; not modified), ``op`` (``"sum"``, ``"prod"``, ``"min"``, ``"max"``,
-    ``"avg"``), ``step`` (an optional int label, the same on every rank).
+    >>> phalanx.reduce_scatter(np.ones(6))                   # on 3 ranks: [3., 3.] each
+    >>> phalanx.reduce_scatter(np.ones(5), counts=[3, 0, 2])  # rank 0: 3 rows, rank 1: 0, rank 2: 2
+
+    Arguments: ``x`` (array or tensor, alike on every rank; not modified), ``op``
+    (``"sum"``, ``"prod"``, ``"min"``, ``"max"``, ``"avg"``), ``step`` (an optional int
+    label, the same on every rank).
+
+    ``counts``: None (default) splits the first axis into ``size()`` equal chunks of
+    ``k`` rows and rank ``i`` gets chunk ``i``. A sequence of non-negative ints, one
+    per rank, summing to ``x.shape[0]`` and the same on every rank, gives rank ``i``
+    rows ``sum(counts[:i])`` to ``sum(counts[:i+1])`` of the reduction (shards of
+    unequal size; a count may be 0).
+
+    ``out``: an array or tensor of the result's shape, dtype and kind (and device) to
+    write the result into; it is returned. Not for JAX arrays (immutable).
 
     ``group``: a :class:`Group` from :func:`new_group` runs the call among its members
     only (ranks and roots are group ranks); None (default) is the whole world; a rank
     outside the group gets NotInGroupError.
 
-    Returns a new array or tensor with first axis ``k``. Raises InvalidArgumentError
-    (unknown op), UnsupportedArgumentError (a type or dtype that cannot be sent, or
-    a first axis that does not split into ``size()`` equal chunks),
-    CollectiveMismatchError (ranks passed different shapes, dtypes, ops or steps),
-    CollectiveTimeoutError, RankFailedError.
+    Returns a new array or tensor of this rank's rows (``out`` when given). Raises
+    InvalidArgumentError (unknown op, bad ``counts`` or ``out``),
+    UnsupportedArgumentError (a type or dtype that cannot be sent, or without
+    ``counts`` a first axis that does not split into ``size()`` equal chunks),
+    CollectiveMismatchError (ranks passed different shapes, dtypes, ops, counts or
+    steps), CollectiveTimeoutError, RankFailedError.
     """
     world = world_for(group, "reduce_scatter")
     buf = as_buffer(x, "reduce_scatter")
     _check_op("reduce_scatter", op, buf)
-    _check_chunks("reduce_scatter", buf, world)
-    world.enter("reduce_scatter", buf, op, -1, _check_step("reduce_scatter", step))
-    return buf.back(_run(world, "reduce_scatter", world.backend.reduce_scatter, buf.data, op))
+    _check_step("reduce_scatter", step)
+    if counts is None:
+        _check_chunks("reduce_scatter", buf, world)
+        if out is not None:
+            check_out("reduce_scatter", out, buf, (buf.shape[0] // world.size, *buf.shape[1:]))
+        world.enter("reduce_scatter", buf, op, -1, step)
+        result = _run(world, "reduce_scatter", world.backend.reduce_scatter, buf.data, op)
+        return write_out(out, result) if out is not None else buf.back(result)
+    sizes = check_counts("reduce_scatter", counts, buf, world.size, buf.shape[0] if buf.shape else None)
+    mine = sizes[world.rank]
+    if out is not None:
+        check_out("reduce_scatter", out, buf, (mine, *buf.shape[1:]))
+    world.enter("reduce_scatter", CountedBuffer(buf, sizes, buf.shape), op, -1, step)
+    width = max(sizes)
+    if width == 0:  # nothing to reduce: every shard is empty
+        result = buf.data.copy() if isinstance(buf.data, np.ndarray) else buf.data.clone()
+    else:
+        data = buf.data if all(c == width for c in sizes) else padded(buf.data, sizes, width, True)
+        result = unpadded(_run(world, "reduce_scatter", world.backend.reduce_scatter, data, op), mine)
+    return write_out(out, result) if out is not None else buf.back(result)
 
 
 def alltoall(x: Any, *, step: int | None = None, group: Group | None = None) -> Any:

@@ -109,7 +109,17 @@ def mark_rank(kind: str, rank: int | None = None) -> None:
         return
     rank = env_rank() if rank is None else rank
     with contextlib.suppress(OSError):  # on another host the job directory may not exist
-        open(os.path.join(job_dir, f"{kind}-rank{rank}"), "wb").close()
+        with open(os.path.join(job_dir, f"{kind}-rank{rank}"), "w") as f:
+            if kind == "ready":  # MPICH's shared memory, made by MPI_Init: the launcher removes it should
+                f.write(_mpich_segments())  # this rank end abnormally, before MPI_Finalize would
+
+
+def _mpich_segments() -> str:
+    """The names of the MPICH shared-memory files this process maps, one a line ("" if none)."""
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        return "".join(f"{line.split(None, 5)[5].rstrip()}\n" for line in maps
+                       if "/dev/shm/mpich_shm_" in line and not line.rstrip().endswith("(deleted)"))
+    return ""
 
 
 def install_abort_hook(world: Any) -> None:

@@ -9,14 +9,15 @@ released, locally and bounded, whatever the agreement found.
 
 from __future__ import annotations
 
+import atexit
 import warnings
 from typing import Any
 
 from ._agreement import MASK, where
 from ._errors import PhalanxError
-from ._world import CALL_CODES, World, swap
+from ._world import AT_EXIT, CALL_CODES, World, current_or_none, swap
 
-__all__ = ["shutdown"]
+__all__ = ["shutdown", "shutdown_at_exit"]
 
 
 def shutdown() -> None:
@@ -30,6 +31,7 @@ def shutdown() -> None:
     world = swap(None)
     if world is None:
         return
+    atexit.unregister(shutdown_at_exit)
     try:
         if world.broken is None and world.size > 1:
             world.ready("shutdown")
@@ -40,6 +42,19 @@ def shutdown() -> None:
         world.broken = world.broken or f"shutdown failed: {type(exc).__name__}"
     finally:
         world.release()
+
+
+def shutdown_at_exit(world: World) -> None:
+    """At a normal exit, a rank that never called :func:`shutdown` shuts down now: exiting counts
+    as leaving, so the peers' ``shutdown()`` agrees with it instead of waiting out the timeout
+    (on MPI, for an agreement that would never come). Registered by ``phalanx.init``; does
+    nothing once ``shutdown()`` ran, when another world replaced this one, or when it is broken
+    (the abort path ends that job)."""
+    if world.broken is None and current_or_none() is world:
+        shutdown()
+
+
+AT_EXIT.append(shutdown_at_exit)
 
 
 def _leave(world: World) -> list[dict[str, Any]] | None:

@@ -18,6 +18,7 @@ mode). One tiny allreduce, polled with a deadline, so that
 
 from __future__ import annotations
 
+import atexit
 import math
 import zlib
 from collections import deque
@@ -252,6 +253,7 @@ class World:
 # The slot is _current's (the trace recorder reads it from below this module); here it is typed.
 current: Callable[[str], World] = _current.current  # the world, or NotInitializedError naming the call
 current_or_none: Callable[[], World | None] = _current.current_or_none  # the world, or None before init
+AT_EXIT: list[Callable[[World], None]] = []  # run at a normal exit with the world (_shutdown adds its own)
 swap: Callable[[World | None], World | None] = _current.swap  # install a world, return the previous one
 
 
@@ -310,6 +312,10 @@ def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, tim
                   debug=settings.debug if debug is None else debug, devices=devices)
     swap(world)
     install_abort_hook(world)
+    # After the abort hook's: exit handlers run last-registered first, so a normal exit shuts down
+    # (a rank that just ends its script has left) before a broken world's MPI job is aborted.
+    for hook in AT_EXIT:
+        atexit.register(hook, world)
     return impl
 
 

@@ -39,7 +39,9 @@ def _parse_size(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="phalanx bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("collective", choices=["allreduce", "broadcast"])
+    p.add_argument("collective", choices=["allreduce", "broadcast", "predict"],
+                   help="what to time; `predict` (the α-β model's forecast) has its own options: "
+                        "phalanx bench predict -h")
     p.add_argument("-n", "--nprocs", type=int, default=2, help="ranks to start (default 2)")
     p.add_argument("--backend", choices=["mpi", "gloo"], default=None,
                    help="world to start (default: mpi when available, else gloo)")

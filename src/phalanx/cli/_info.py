@@ -64,6 +64,16 @@ def _probe_mpi() -> dict[str, Any]:
     return found
 
 
+def _ray_version() -> str:
+    """Ray's version from its package metadata (importing ray takes seconds): 'not installed' without it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ray")
+    except PackageNotFoundError:
+        return "not installed (pip install 'phalanx[ray]' for Ray Train)"
+
+
 def _probes(kinds: list[str]) -> dict[str, Any]:
     """Run the probes side by side, each in its own Python; merge what they found."""
     procs: dict[str, subprocess.Popen[str] | OSError] = {}
@@ -104,6 +114,7 @@ def collect() -> dict[str, Any]:
     """Everything ``phalanx info`` shows, as a JSON-ready dict."""
     import phalanx
 
+    from ..launch._environment import describe_environment
     from ..launch._mpi_flavor import find_mpiexec, mpiexec_flavor
 
     found: dict[str, Any] = {
@@ -111,8 +122,10 @@ def collect() -> dict[str, Any]:
         "platform": _guarded(platform.platform),
         "phalanx": f"{phalanx.__version__} ({os.path.dirname(phalanx.__file__)})",
         "numpy": _guarded(lambda: __import__("numpy").__version__),
+        "environment": _guarded(describe_environment),
     }
     found.update(_probes(["torch", "mpi"]))
+    found["ray"] = _guarded(_ray_version)
     mpiexec = find_mpiexec()
     found["mpiexec"] = f"{mpiexec} ({mpiexec_flavor(mpiexec).banner})" if mpiexec else "not found"
 

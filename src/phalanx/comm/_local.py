@@ -87,6 +87,13 @@ class LocalBackend:
     def reduce_scatter(self, x: Any, op: str, timeout: float) -> Any:
         return _copy(x)
 
+    def ireduce_scatter(self, x: Any, op: str) -> _Done:
+        return _Done(_copy(x))
+
+    def iallgather_into(self, x: Any, out: Any) -> _Done:
+        out[:] = x
+        return _Done(out)
+
     def alltoall(self, x: Any, timeout: float) -> Any:
         return _copy(x)
 

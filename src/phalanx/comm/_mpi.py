@@ -61,6 +61,8 @@ from ._mpilib import (
     mpi_available,
     preconnect,
 )
+from ._shard_ops import MPIShardOps
+from ._staging import back_to_device, pinned_empty, to_host
 from ._wait import poll
 
 __all__ = ["MPIBackend", "detect_gpu_aware", "mpi_available"]
@@ -77,7 +79,7 @@ def _is_torch(x: Any) -> bool:
     return not isinstance(x, np.ndarray)
 
 
-class MPIBackend:
+class MPIBackend(MPIShardOps):
     """Backend over mpi4py; see the module docstring."""
 
     name = "mpi"
@@ -179,9 +181,12 @@ class MPIBackend:
         if not half and self.gpu_aware:  # device memory straight to a GPU-aware MPI
             torch.cuda.current_stream(x.device).synchronize()
             return x, _identity
-        host = (x.float() if half else x).cpu().numpy()
+        pinned = to_host(x, torch.float32 if half else None) if x.is_cuda else x.float()  # _staging
+        host = pinned.numpy()
 
         def write_back(w: Any) -> Any:
+            if x.is_cuda:  # from the pinned tensor itself: the allocator keeps it until the copy is done
+                return back_to_device(pinned, x)
             x.copy_(torch.from_numpy(w))
             return x
 
@@ -193,16 +198,16 @@ class MPIBackend:
             out = np.empty(shape, x.dtype)
             return out, out
         torch = _torch()
-        device = "cpu" if self._staged(x) else x.device
-        out = torch.empty(shape, dtype=x.dtype, device=device)
+        out = pinned_empty(shape, x.dtype) if self._staged(x) else torch.empty(shape, dtype=x.dtype, device=x.device)
         return out, self._as_mpi(out)
 
     def _host_in(self, x: Any) -> Any:
         """Staged input: a host copy of a CUDA tensor when MPI is not GPU-aware."""
-        return x.cpu() if self._staged(x) else x
+        return to_host(x) if self._staged(x) else x
 
     def _device_out(self, like: Any, out: Any) -> Any:
-        return out.to(like.device) if _is_torch(like) and like.is_cuda and not out.is_cuda else out
+        return out.to(like.device, non_blocking=True) if _is_torch(like) and like.is_cuda and not out.is_cuda \
+            else out
 
     # -- agreement ------------------------------------------------------------
     def agree(self, signature: int, timeout: float) -> bool:
@@ -304,7 +309,7 @@ class MPIBackend:
         if isinstance(x, np.ndarray) and not inplace:
             x = x.copy()
         if self._staged(x):
-            host = x.cpu()
+            host = to_host(x)
             return host, self._as_mpi(host)
         return x, self._as_mpi(x)
 
@@ -320,8 +325,7 @@ class MPIBackend:
 
     def _copy_back(self, x: Any, out: Any) -> Any:
         if out is not x and _is_torch(x) and x.is_cuda:
-            x.copy_(out)
-            return x
+            return back_to_device(out, x) if not out.is_cuda else x.copy_(out)
         return out
 
     def reduce(self, x: Any, op: str, root: int, inplace: bool, timeout: float) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import warnings
 
 from .._errors import LaunchEnvironmentError, RendezvousError
 from .._net import (
@@ -46,9 +47,15 @@ def plan(host: str, port: int, rank: int, size: int, agent: bool) -> Plan:
     """Set gloo's and NCCL's interface variables for ``MASTER_ADDR=host``, and say how the store
     is reached. Raises LaunchEnvironmentError (a bad PHALANX_IFACE or secret) or RendezvousError
     (no usable interface, no secret where one is needed), naming the fix."""
-    if is_local_address(host):  # every rank on this host: today's single-host rules
+    if is_local_address(host):  # every rank on this host: loopback, guarded when the job has a secret
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
-        return Plan(False, [host])
+        if agent or not os.environ.get("PHALANX_SECRET", "").strip():
+            if rank == 0 and not agent:
+                warnings.warn("phalanx.init: PHALANX_SECRET is not set, so any local process can read and write "
+                              "this job's rendezvous on loopback; `phalanx run` sets one per job.",
+                              RuntimeWarning, stacklevel=2)
+            return Plan(False, [host])
+        return Plan(True, [host] if rank == 0 else [], _secret(host))
     single = os.environ.get("LOCAL_WORLD_SIZE", "").strip() == str(size)
     iface = _interface(host, port, single)
     if agent:  # torchrun's agent serves the store: phalanx cannot guard it
@@ -146,7 +153,9 @@ def _secret(host: str) -> bytes:
             f"phalanx.init: MASTER_ADDR={host} is not a loopback address, so the rendezvous is reachable "
             "from the network and needs a per-job secret, and PHALANX_SECRET is not set. `phalanx run` "
             "sets it; with torchrun, srun or your own launcher set the same value on every rank, e.g. "
-            "`export PHALANX_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')`.")
+            "`export PHALANX_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')`. On "
+            "Kubernetes (a Kubeflow PyTorchJob), keep it in a Secret and give it to every pod as the "
+            "environment variable PHALANX_SECRET (`valueFrom: secretKeyRef:`; docs/kubernetes.md).")
     if len(secret) < MIN_SECRET:
         raise LaunchEnvironmentError(
             f"phalanx.init: PHALANX_SECRET has {len(secret)} characters; use at least {MIN_SECRET} random "

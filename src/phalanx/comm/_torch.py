@@ -9,10 +9,12 @@ as they are is in ``docs/design.md`` ("gloo and nccl").
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import copy
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -22,10 +24,14 @@ import numpy as np
 
 from .._devices import rank_device
 from .._errors import BackendUnavailableError, InvalidArgumentError, UsageError
+from ._base import WaitTimeout
 from ._hier import build_hierarchy
+from ._shard_ops import TorchShardOps
+from ._staging import back_to_device, pinned_empty, stages_cuda, to_host
 from ._torchdist import TorchRequest, end_group, group_dist
 from ._torchsetup import (
     Rendezvous,
+    check_own_gpus,
     diagnose,
     env,
     import_torch,
@@ -37,7 +43,7 @@ from ._wait import poll
 
 __all__ = ["TorchBackend"]
 
-class TorchBackend:
+class TorchBackend(TorchShardOps):
     """Backend over torch.distributed (gloo or NCCL); see the module docstring."""
 
     _made = 0  # backends made in this process: separates the store keys of successive worlds
@@ -86,6 +92,8 @@ class TorchBackend:
         self.device = (bound or rank_device("init(backend='nccl')", devices, self.local_rank)) \
             if self._nccl else torch.device("cpu")
         if meeting is not None:
+            if self._nccl:
+                check_own_gpus(meeting, self.device)
             self._init_group(name, timeout, meeting)
         self.hierarchy = build_hierarchy(self, meeting.hosts, timeout) if meeting is not None else None
         self._bind(dist, None)
@@ -101,6 +109,7 @@ class TorchBackend:
         self._chk = np.zeros(2, np.int64)  # agree()'s buffer: NumPy writes cost less than tensor writes
         self._chk_t = self._torch.from_numpy(self._chk)
         self._chk_dev = self._chk_t.to(self.device)
+        self._ordered: collections.deque[tuple[Any, float, float]] = collections.deque()  # _order's waits
 
     def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float) -> TorchBackend | None:
         """The backend of group ``ranks`` (world ranks) on a member, None elsewhere: this backend's
@@ -185,10 +194,16 @@ class TorchBackend:
         dtype = self._reduce_dtype(src, op)
         if src.device == self.device and dtype == src.dtype:
             return src, lambda t: x
-        staged = src.to(device=self.device, dtype=dtype)
+        host = src.is_cuda and self.device.type == "cpu"  # gloo: through pinned memory (_staging)
+        if host and dtype == src.dtype and not stages_cuda(self):  # PHALANX_GLOO_CUDA=direct
+            return src, lambda t: x
+        staged = to_host(src, dtype) if host else src.to(device=self.device, dtype=dtype)
 
         def write_back(t: Any) -> Any:
-            src.copy_(t)
+            if host:
+                back_to_device(t, src)
+            else:
+                src.copy_(t)
             return x
 
         return staged, write_back
@@ -196,20 +211,26 @@ class TorchBackend:
     def _send(self, x: Any, op: str | None = None) -> Any:
         """``x`` as a send buffer on the transport's device (a view when possible; never written)."""
         src = self._tensor(x)
-        return src.to(device=self.device, dtype=self._reduce_dtype(src, op))
+        dtype = self._reduce_dtype(src, op)
+        if src.is_cuda and self.device.type == "cpu":
+            return to_host(src, dtype)
+        return src.to(device=self.device, dtype=dtype)
 
     def _output(self, x: Any, send: Any, shape: tuple[int, ...]) -> tuple[Any, Callable[[], Any]]:
         """(tensor the transport writes a new result into, finish() -> the user's result)."""
         if isinstance(x, np.ndarray) and not self._nccl:
             arr = np.empty(shape, x.dtype)
             return self._tensor(arr), lambda: arr
-        out = self._torch.empty(shape, dtype=send.dtype, device=self.device)
+        if self.device.type == "cpu" and x.is_cuda:
+            out = pinned_empty(shape, send.dtype)
+        else:
+            out = self._torch.empty(shape, dtype=send.dtype, device=self.device)
         return out, lambda: self._user(x, out)
 
     def _user(self, like: Any, t: Any) -> Any:
         """A new result ``t`` as ``like``'s kind, dtype and device."""
         if not isinstance(like, np.ndarray):
-            return t.to(device=like.device, dtype=like.dtype)
+            return t.to(device=like.device, dtype=like.dtype, non_blocking=like.is_cuda and t.is_pinned())
         if t.device.type == "cpu" and like.dtype.name != "bfloat16":
             return t.numpy().astype(like.dtype, copy=False)
         out = np.empty(tuple(t.shape), like.dtype)
@@ -233,14 +254,34 @@ class TorchBackend:
         else:
             work.wait(timedelta(seconds=timeout))
 
-    def _request(self, post: Callable[[], Any], finish: Callable[[], Any]) -> TorchRequest:
+    @translating
+    def _order(self, work: Any, timeout: float) -> None:
+        """nccl, for a result that stays on the GPU: make the current stream wait for ``work`` (the host
+        does not wait, so it queues the next kernels). The bound stays: each such wait is kept until
+        its work completes, and a later call finding one older than its ``timeout`` raises
+        WaitTimeout; a host blocked on the GPU meanwhile is ended by NCCL's watchdog (the group's
+        timeout, with TORCH_NCCL_ASYNC_ERROR_HANDLING). Elsewhere the same as :meth:`_wait`."""
+        if not self._nccl:
+            self._wait(work, timeout)
+            return
+        pending, now = self._ordered, time.monotonic()
+        while pending and pending[0][0].is_completed():
+            pending.popleft()
+        if pending and now > pending[0][1]:
+            raise WaitTimeout(pending.popleft()[2])
+        work.wait()
+        if not work.is_completed():
+            pending.append((work, now + timeout, timeout))
+
+    def _request(self, post: Callable[[], Any], finish: Callable[[], Any], on_gpu: bool = False) -> TorchRequest:
+        wait = self._order if on_gpu else self._wait
         try:
-            return TorchRequest(self._wait, post(), finish)
+            return TorchRequest(wait, post(), finish)
         except RuntimeError as exc:  # a failure to post is raised by wait(), like any other
             failure = translate(exc)
             if failure is None:
                 raise
-            return TorchRequest(self._wait, None, finish, failure)
+            return TorchRequest(wait, None, finish, failure)
 
     # -- agreement ------------------------------------------------------------
     @translating
@@ -284,7 +325,7 @@ class TorchBackend:
     @translating
     def allreduce(self, x: Any, op: str, inplace: bool, timeout: float) -> Any:
         t, finish = self._work(x, inplace, op)
-        self._wait(self._all_reduce(t, op), timeout)
+        (self._order if _on_gpu(x) else self._wait)(self._all_reduce(t, op), timeout)
         self._scale(t, op)
         return finish(t)
 
@@ -302,7 +343,7 @@ class TorchBackend:
             self._scale(t, op)
             return finish(t)
 
-        return self._request(lambda: self._all_reduce(t, op), complete)
+        return self._request(lambda: self._all_reduce(t, op), complete, _on_gpu(x))
 
     @translating
     def broadcast(self, x: Any, root: int, inplace: bool, timeout: float) -> Any:
@@ -390,3 +431,8 @@ class TorchBackend:
             with contextlib.suppress(Exception):  # a closed stream must not stop the abort
                 stream.flush()
         os._exit(code)
+
+
+def _on_gpu(x: Any) -> bool:
+    """Whether the user's result is a CUDA tensor (on nccl its wait then orders streams: ``_order``)."""
+    return not isinstance(x, np.ndarray) and x.is_cuda

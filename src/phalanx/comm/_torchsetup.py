@@ -45,12 +45,13 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from .._errors import BackendUnavailableError, LaunchEnvironmentError, RendezvousError
+from .._errors import BackendUnavailableError, LaunchEnvironmentError, RendezvousError, UsageError
 from ._base import DiagnosisUnavailable, PeerLost, WaitTimeout
 from ._guard import Guard
 from ._netplan import plan
 
-__all__ = ["Rendezvous", "diagnose", "import_torch", "node_ranks_from_store", "translate", "translating"]
+__all__ = ["Rendezvous", "check_own_gpus", "diagnose", "import_torch", "node_ranks_from_store", "translate",
+           "translating"]
 
 # How torch reports a dead peer (gloo: "Connection closed by peer [addr]:port", NCCL: remote errors).
 _LOST = ("connection closed", "connection reset", "broken pipe", "connection refused", "ncclremoteerror",
@@ -287,6 +288,42 @@ class Rendezvous:
             f"phalanx.init: rank {self.rank} of {self.size} joined at {self.where}, but torch.distributed "
             f"could not connect the ranks ({_first_line(exc)}). A peer failed during set-up (its own "
             "error is in its output), or a firewall blocks the ranks' connections.")
+
+
+def check_own_gpus(meeting: Rendezvous, device: Any) -> None:
+    """Before NCCL starts: every rank's GPU (host and UUID, so ``CUDA_VISIBLE_DEVICES`` per rank is
+    seen through) is its own; else the same UsageError on every rank at once, naming the ranks, the
+    device and the fix (NCCL itself fails later with an unrelated-looking connection error)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    gpu = str(getattr(props, "uuid", "") or f"{device}")
+    store, keys = meeting.store, [f"{meeting.prefix}gpu/{r}" for r in range(meeting.size)]
+    store.set(keys[meeting.rank], json.dumps([meeting.hosts[meeting.rank], gpu, str(device)]))
+    seen: dict[tuple[str, str], list[int]] = {}
+    named: dict[tuple[str, str], str] = {}
+    try:
+        values = _get_all(store, keys)
+    except RuntimeError as exc:  # a peer failed after it joined: its own error is in its output
+        raise meeting.failed(exc) from exc
+    for r, value in enumerate(values):
+        host, uuid, name = json.loads(value)
+        seen.setdefault((host, uuid), []).append(r)
+        named[(host, uuid)] = f"{name} of {host}"
+    shared = {k: v for k, v in seen.items() if len(v) > 1}
+    if shared:
+        where = "; ".join(f"ranks {ranks} on {named[k]}" for k, ranks in shared.items())
+        read = [f"{meeting.prefix}gpu-read/{r}" for r in range(meeting.size)]
+        with contextlib.suppress(RuntimeError):  # rank 0 serves the store: keep it until all have read
+            store.set(read[meeting.rank], "1")
+            deadline = time.monotonic() + min(meeting.timeout, 10.0)
+            while meeting.rank == 0 and not store.check(read) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        meeting.close()
+        raise UsageError(
+            f"phalanx.init(backend='nccl'): ranks share a GPU ({where}); NCCL needs one GPU per rank. "
+            "Start at most as many ranks per node as it has GPUs, give each rank its own GPU with "
+            "init(devices=[...]), or use backend='gloo' or 'mpi', which share a GPU between ranks.")
 
 
 def node_ranks_from_store(store: Any, rank: int, size: int, timeout: float) -> tuple[int, int]:

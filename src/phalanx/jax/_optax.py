@@ -35,9 +35,11 @@ from ._pytrees import COMPRESSIONS
 
 __all__ = ["DistributedOptimizer", "distributed"]
 
+SHARDS = (None, "optimizer", "gradients")
+
 
 def distributed(tx: Any = None, op: GradientOp = "avg", compression: str | None = None,
-                group: Any = None) -> Any:
+                group: Any = None, shard: str | None = None) -> Any:
     """An ``optax.GradientTransformation``: gradients reduced across ranks, then ``tx``.
 
     Arguments:
@@ -51,6 +53,17 @@ def distributed(tx: Any = None, op: GradientOp = "avg", compression: str | None 
             back in their dtype. bf16 is rounded to bfloat16 and reduced in
             float32 (no MPI has bfloat16).
         group: a phalanx group to reduce over; None is the whole world.
+        shard: None (default: every rank keeps the whole state), ``"optimizer"``
+            or ``"gradients"``: the parameters are flattened into one vector and
+            each rank keeps the state of its 1/N slice; gradients are
+            reduce-scattered, ``tx`` updates the slice, the updates are
+            all-gathered (the two values run the same path in JAX: the reduced
+            gradient is never handed back). Only element-wise optax
+            transformations (sgd, adam, adamw, ... and chains of them, with
+            ``clip_by_global_norm`` over the whole gradient's norm); the
+            result is then a ``ShardedTransformation`` whose ``full_state`` and
+            ``shard_state`` convert states for checkpoints (docs/jax.md,
+            "Sharded optimizer state").
 
     Returns a ``GradientTransformationExtraArgs`` whose state is ``tx``'s. Works
     inside ``jax.jit``. For gradient accumulation wrap ``optax.MultiSteps`` from
@@ -58,7 +71,8 @@ def distributed(tx: Any = None, op: GradientOp = "avg", compression: str | None 
     only on the micro-steps that apply the update, reducing that micro-step's
     gradient and the accumulator together (inside, ``MultiSteps(distributed(tx), k)``
     is correct but sends on every micro-step). Raises InvalidArgumentError for
-    another op or compression.
+    another op, compression or shard, for a transformation that is not element-wise
+    with a shard, and CollectiveMismatchError (at ``init``) when ranks disagree on ``shard``.
 
     Example::
 
@@ -69,6 +83,13 @@ def distributed(tx: Any = None, op: GradientOp = "avg", compression: str | None 
     if compression not in COMPRESSIONS:
         raise InvalidArgumentError(f"phalanx.jax.distributed(compression={compression!r}): use None, "
                                    "'fp16' or 'bf16'.")
+    if shard not in SHARDS:
+        raise InvalidArgumentError(f"phalanx.jax.DistributedOptimizer(shard={shard!r}): use None, 'optimizer' "
+                                   "or 'gradients'.")
+    if shard is not None:
+        from ._shard import sharded
+
+        return sharded(tx, shard, op, compression, group)
     if isinstance(tx, optax.MultiSteps):
         return _around_multisteps(tx, op, compression, group)
     inner = optax.with_extra_args_support(tx if tx is not None else optax.identity())
@@ -81,8 +102,8 @@ def distributed(tx: Any = None, op: GradientOp = "avg", compression: str | None 
 
 
 def DistributedOptimizer(tx: Any = None, op: GradientOp = "avg", compression: str | None = None,  # noqa: N802
-                         group: Any = None) -> Any:
-    return distributed(tx, op, compression, group)
+                         group: Any = None, shard: str | None = None) -> Any:
+    return distributed(tx, op, compression, group, shard)
 
 
 # One text for both names: Lux's name leads, then distributed's own documentation.

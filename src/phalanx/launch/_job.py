@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import signal
 import sys
 import threading
@@ -107,6 +108,8 @@ def rank_env(job: Launch, job_dir: str) -> dict[str, str]:
     env.update(PHALANX_BACKEND=job.backend, PHALANX_JOB_DIR=job_dir, PYTHONUNBUFFERED="1")
     if job.timeout is not None:
         env["PHALANX_TIMEOUT"] = repr(float(job.timeout))
+    if not env.get("PHALANX_SECRET", "").strip():  # guards even a one-host rendezvous from other local users
+        env["PHALANX_SECRET"] = secrets.token_hex(32)
     if "OMP_NUM_THREADS" not in env:
         # n processes each using every core run slower than one process; torchrun does the same.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // job.n))

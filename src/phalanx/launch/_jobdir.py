@@ -5,7 +5,8 @@ file                        written by                                  tells th
 ==========================  ==========================================  ===============================
 ``pid-rank<r>``             the worker bootstrap, first thing           the rank's pid and host
 ``init-rank<r>``            ``phalanx.init``, on entry                  the rank has reached init
-``ready-rank<r>``           ``phalanx.init``, once the world is formed  the rank is past init
+``ready-rank<r>``           ``phalanx.init``, once the world is formed  the rank is past init; the MPICH
+                                                                        shared-memory files it maps
 ``failure-rank<r>.json``    the worker or the abort hook, on an error   the exception and when
 ``exit-rank<r>``            the worker, as the very last thing          the rank ended by itself
 ``status-rank<r>``          the rank's keeper (``_keeper``), at exit    its exact wait status and when

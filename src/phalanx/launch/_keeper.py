@@ -14,6 +14,11 @@ imported nothing heavy, only waits: when the child ends, it writes ``status-rank
 (the exact wait status, negative for a signal, and when it came) and exits with the status
 a shell would show (``128 + N`` for signal N). Hydra sees an exit status, not a signal, so
 it leaves the other ranks to the launcher, which names the rank that ended first.
+
+The keeper also knows the MPICH shared-memory files (``/dev/shm/mpich_shm_*``) its rank maps
+(listed in the rank's ``ready-rank<r>`` marker once ``MPI_Init`` made them); when the rank ends abnormally (never reaching ``MPI_Finalize``,
+which unlinks them), it unlinks those, so a failed job leaves nothing behind in ``/dev/shm``
+and other jobs' segments are never touched.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import time
 from .._files import write_atomically
 from ._procs import child_setup
 
-__all__ = ["ENV", "keep"]
+__all__ = ["ENV", "keep", "remove_segments"]
 
+SHM_PREFIX = "/dev/shm/mpich_shm_"  # MPICH's shared-memory segments: unlinked at MPI_Finalize only
 ENV = "PHALANX_RANK_KEEPER"  # set by the launcher where it stops the ranks itself (single-host Hydra)
 # What reaches the keeper through the rank's process group (Hydra's SIGUSR1 failure notice, its
 # SIGINT/SIGTERM forwarding): the child gets the same signal and decides; the keeper outlives it.
@@ -55,15 +61,10 @@ def keep(job_dir: str, rank: int) -> None:
             os.close(fd)
         except OSError:
             pass
-    while True:
-        try:
-            _, raw = os.waitpid(child, 0)
-            break
-        except ChildProcessError:  # cannot happen for our own child; leave with a failure rather than spin
-            os._exit(1)
-        except InterruptedError:
-            continue
+    raw = _wait(child)
     status = -os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)
+    if status != 0:
+        remove_segments(job_dir, rank)
     try:
         with write_atomically(os.path.join(job_dir, f"status-rank{rank}"), "w", durable=False) as f:
             f.write(f"{status} {time.time():.6f}\n")
@@ -71,3 +72,32 @@ def keep(job_dir: str, rank: int) -> None:
         pass  # the report falls back on what the launcher saw
     os._exit(128 - status if status < 0 else status)
 
+
+
+
+def _wait(child: int) -> int:
+    while True:
+        try:
+            _, raw = os.waitpid(child, 0)
+            return raw
+        except ChildProcessError:  # cannot happen for our own child; leave with a failure rather than spin
+            os._exit(1)
+        except InterruptedError:
+            continue
+
+
+def remove_segments(job_dir: str, rank: int) -> None:
+    """Unlink the MPICH shared-memory files rank ``rank`` mapped (listed in its ``ready-rank<r>``
+    marker): it ended abnormally, never reaching MPI_Finalize, which would have. Memory the job's
+    other ranks still map stays theirs until they end; other jobs' files are never named there."""
+    try:
+        with open(os.path.join(job_dir, f"ready-rank{rank}")) as f:
+            paths = f.read().split("\n")
+    except OSError:  # the rank never formed the world: MPI_Init may not have mapped anything yet
+        return
+    for path in paths:
+        if path.startswith(SHM_PREFIX) and "/" not in path[len(SHM_PREFIX):]:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass  # another rank's keeper was first

@@ -10,6 +10,7 @@ death (a peer lost, a broken world) count only when nothing else explains the jo
 from __future__ import annotations
 
 import math
+import re
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -34,6 +35,26 @@ class Death:
     by_launcher: bool = False  # the launcher stopped it after the first failure
     host: str | None = None  # where it ran, when known (mpiexec names it for ranks on other hosts)
     notes: list[str] = field(default_factory=list)
+
+_GLOO_ABORT = re.compile(rb"what\(\):\s*(\[enforce fail at [^\]]*\]\s*)?([^\n]*)")
+
+
+def aborted_by_gloo(deaths: dict[int, Death], tails: dict[int, bytearray]) -> None:
+    """Note on the rank reported first what gloo said when it aborted a rank (SIGABRT after a C++
+    ``terminate``, found in the rank's last output), and what it usually means."""
+    aborted = [(rank, m) for rank, death in sorted(deaths.items()) if death.code == -signal.SIGABRT
+               and (m := list(_GLOO_ABORT.finditer(bytes(tails.get(rank, b"")))))]
+    if not aborted:
+        return
+    rank, found = aborted[0]
+    said = found[-1].group(2).decode(errors="replace").strip()
+    meaning = ("the ranks made different collective calls (one skipped a backward or a collective, or "
+               "reduced a tensor of another size): phalanx's own calls are checked, torch.distributed's "
+               "called directly are not" if "preamble.length" in said or "mismatch" in said else
+               "gloo stopped the rank on an internal check")
+    note = f"gloo aborted rank {rank}: {said} That usually means {meaning}."
+    for death in deaths.values():
+        death.notes.append(note)
 
 
 def describe_exit(code: int) -> str:

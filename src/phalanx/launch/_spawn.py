@@ -26,7 +26,7 @@ from ._job import GRACE, Launch, Signals, notice, worker_command
 from ._jobdir import any_record, read_records
 from ._logs import Echo, log_path, pump
 from ._procs import child_setup, signal_name, stop_groups
-from ._report import ECHOES, Death, describe_exit, failure_report, first_failure
+from ._report import ECHOES, Death, aborted_by_gloo, describe_exit, failure_report, first_failure
 from ._start import StartClock
 
 __all__ = ["Outcome", "Placement", "free_port", "run_spawn"]
@@ -92,11 +92,14 @@ def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals,
     # Readers start after the last fork: preexec_fn and running threads do not mix.
     readers: list[threading.Thread] = []
     files = []
-    if job.log_dir is not None:
-        for rank, proc in procs.items():
+    tails = {rank: bytearray() for rank in procs}  # what each rank wrote last: what gloo said, should it abort
+    for rank, proc in procs.items():
+        if job.log_dir is not None:
             assert proc.stdout is not None
             files.append(open(log_path(job.log_dir, rank), "wb"))  # closed once its reader is done
-            readers.append(pump(proc.stdout, [files[-1]], Echo(rank, job.echo)))
+            readers.append(pump(proc.stdout, [files[-1]], Echo(rank, job.echo), tail=tails[rank]))
+        elif proc.stderr is not None:
+            readers.append(pump(proc.stderr, [sys.stderr.buffer], tail=tails[rank]))
     ranks = _Ranks(procs)
     # Every rank here reports to this job directory only when the whole world runs here.
     timeout = (job.start_timeout or float("inf")) if placement.world_size == job.n else float("inf")
@@ -129,6 +132,8 @@ def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals,
     if clock.report is not None and not failed:
         sys.stderr.write(clock.report + "\n")
         return 1
+    if failed:
+        aborted_by_gloo(ranks.deaths, tails)
     return _report(job_dir, ranks.deaths, start, outcome) if failed else 0
 
 
@@ -145,7 +150,7 @@ def _start_ranks(job: Launch, env: dict[str, str], placement: Placement) -> dict
                             MASTER_ADDR=placement.master_addr, MASTER_PORT=port)
             procs[rank] = subprocess.Popen(
                 worker_command(job.target), env=rank_env, start_new_session=True, preexec_fn=setup,
-                stdout=subprocess.PIPE if logs else None, stderr=subprocess.STDOUT if logs else None,
+                stdout=subprocess.PIPE if logs else None, stderr=subprocess.STDOUT if logs else subprocess.PIPE,
             )
     except BaseException:
         stop_groups([p.pid for p in procs.values()], lambda: [p.pid for p in procs.values() if p.poll() is None],

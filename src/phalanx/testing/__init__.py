@@ -122,15 +122,29 @@ def available_backends() -> list[str]:
     """The backends :func:`run_world` can start on this machine, e.g. ``["local", "mpi", "gloo"]``.
 
     ``"local"`` always; ``"mpi"`` when mpi4py and an ``mpiexec`` are installed; ``"gloo"``
-    when the installed torch ships torch.distributed. Imports neither torch nor mpi4py;
-    the answer is cached for the process.
+    when the installed torch ships torch.distributed; ``"nccl"`` when torch was built with NCCL
+    and a CUDA GPU is visible. Imports neither torch nor mpi4py for the first three (the nccl
+    answer imports torch only when ``nvidia-smi`` or ``/dev/nvidia0`` says a GPU may be there).
     """
     found = ["local"]
     if importlib.util.find_spec("mpi4py") is not None and find_mpiexec() is not None:
         found.append("mpi")
     if importlib.util.find_spec("phalanx.comm._torch") is not None and _gloo_available():
         found.append("gloo")
+        if _nccl_available():
+            found.append("nccl")
     return found
+
+
+def _nccl_available() -> bool:
+    """Whether torch has NCCL and sees a CUDA GPU. torch is imported only where a GPU may be (an
+    NVIDIA device node or ``nvidia-smi``), so CPU machines keep this check free."""
+    if "torch" not in sys.modules and not (os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi")):
+        return False
+    import torch
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available())
 
 
 def _gloo_available() -> bool:

@@ -21,6 +21,9 @@ from ._replicas import Replicas, replicate, withdevices
 # data loading (DistributedSampler, dataloader_context)
 from ._sampler import DistributedSampler, dataloader_context
 
+# sharded training's GradScaler
+from ._scaler import ShardedGradScaler
+
 # SyncBatchNorm
 from ._syncbn import SyncBatchNorm, convert_sync_batchnorm
 
@@ -32,6 +35,7 @@ __all__ = [
     "DataParallel",
     "DistributedOptimizer",
     "PowerSGD",
+    "ShardedGradScaler",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
     # in-process replicas

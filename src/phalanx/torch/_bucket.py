@@ -47,7 +47,8 @@ from ._bucket_hot import Bucket as _Bucket
 from ._bucket_hot import adopt_scaled, scale_unscaled
 from ._bucket_layout import lay_out
 from ._common import Compression, GradientOp, verify_same_structure
-from ._engine_hooks import BucketHook, EngineHook, Reducer, reducer_for
+from ._ddp import refuse_ddp
+from ._engine_hooks import BucketHook, EngineHook, Reducer, reducer_for, reduces_nothing
 from ._finite import NonFinitePolicy, any_set, check_and_scale, nonfinite_error, ranks_with
 from ._powersgd import is_powersgd
 
@@ -85,6 +86,8 @@ class GradientBuckets:
             is the mean over the group), or None for the whole world.
         prescale: the factor on each rank's own gradients before the sum
             (default ``1/size`` with ``avg``, else 1), fixed at construction.
+        pad: lay each bucket out for a reduce-scatter over ``pad`` ranks
+            (``lay_out``); its reducer then owns when the buckets' memory exists.
 
     The wrappers own one each (their ``engine`` property); the extension
     points (``reducer``, ``pass_hooks``, ``reduction_hooks``,
@@ -93,7 +96,8 @@ class GradientBuckets:
 
     def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], *, call: str, op: GradientOp = "avg",
                  bucket_cap_mb: float = 25, compression: Compression | None = None,
-                 passes_per_reduction: int = 1, group: Any = None, prescale: float | None = None) -> None:
+                 passes_per_reduction: int = 1, group: Any = None, prescale: float | None = None,
+                 pad: int | None = None) -> None:
         check_options(call, op, bucket_cap_mb, compression)
         self.call = call
         self.world = world = world_for(group, call)  # public, as params, buckets, views: hooks read them
@@ -104,7 +108,7 @@ class GradientBuckets:
         self.prescale = float(prescale) if prescale is not None else 1.0 / world.size if op == "avg" else 1.0
         self.sync = True
         self.passes_per_reduction = passes_per_reduction
-        self._build(bucket_cap_mb, _COMPRESSION.get(compression) if isinstance(compression, str) else None)
+        self._build(bucket_cap_mb, _COMPRESSION.get(compression) if isinstance(compression, str) else None, pad)
         count = len(self.params)
         self._stamp = [-1] * count  # the cycle in which each parameter was marked ready
         self._scaled = [-1] * count  # the cycle in which _adopt wrote its gradient already scaled
@@ -115,6 +119,7 @@ class GradientBuckets:
         self._open = False  # a reduction cycle has started and not finished
         self._task = -1     # the autograd graph task of the current backward pass
         self._syncing = False
+        self._alone = False  # this pass leaves the gradients where autograd put them (reduces_nothing)
         self._passes = 0    # backward passes accumulated since the last reduction
         self.reductions = 0
         self.unreduced = False  # local gradients changed by a pass that did not reduce
@@ -129,6 +134,8 @@ class GradientBuckets:
         self.pass_hooks: list[EngineHook] = []
         self.reduction_hooks: list[EngineHook] = []
         self.bucket_hooks: list[BucketHook] = []
+        self.shadows: list[torch.Tensor] = []  # tensors whose .grad is dropped with the parameters' (shards)
+        refuse_ddp(call, self.params)  # DDP would average these gradients too
         self._claim()
         self.reducer: Reducer = reducer_for(compression, self)
         ref = weakref.ref(self)
@@ -137,9 +144,9 @@ class GradientBuckets:
         self._finalizer = weakref.finalize(self, _remove, handles)
 
     # -- layout ---------------------------------------------------------------
-    def _build(self, cap_mb: float, wire_dtype: torch.dtype | None) -> None:
+    def _build(self, cap_mb: float, wire_dtype: torch.dtype | None, pad: int | None) -> None:
         self.buckets, self._bucket_of, self.views = lay_out(self.params, cap_mb=cap_mb, first_mb=FIRST_BUCKET_MB,
-                                                            wire_dtype=wire_dtype)
+                                                            wire_dtype=wire_dtype, pad=pad)
         self._factors = {device: (torch.full((1,), self.prescale, dtype=torch.float32, device=device),
                                   torch.ones(1, dtype=torch.float32, device=device))
                          for device in {b.flat.device for b in self.buckets}}
@@ -183,7 +190,7 @@ class GradientBuckets:
         task = torch._C._current_graph_task_id()
         if task != self._task:
             self._begin_pass(task)
-        if not self._syncing or self._stamp[i] == self._cycle:
+        if not self._syncing or self._stamp[i] == self._cycle or self._alone:
             return
         if p.grad is not self.views[i]:
             self._adopt(i, p)
@@ -204,6 +211,7 @@ class GradientBuckets:
             self._finish()
         self._task = task
         self._syncing = self._passes + 1 >= self.passes_per_reduction
+        self._alone = self._syncing and reduces_nothing(self)  # a world of one: no copy, no collective
         if not self._syncing:
             self.unreduced = True
         Variable._execution_engine.queue_callback(functools.partial(_on_backward_end, weakref.ref(self), task))
@@ -217,6 +225,9 @@ class GradientBuckets:
 
     def _adopt(self, i: int, p: torch.Tensor) -> None:
         """Copy a gradient autograd made into the bucket, scaled (one pass), and point ``.grad`` at the view."""
+        b = self._bucket_of[i]
+        if not self.buckets[b].live:
+            self.reducer.prepare(self, b)
         adopt_scaled(self.views[i], p.grad, self.prescale)  # type: ignore[arg-type]
         self._scaled[i] = self._cycle
         p.grad = self.views[i]
@@ -232,6 +243,8 @@ class GradientBuckets:
     # -- launching and completing ----------------------------------------------
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
+        if not bucket.live:
+            self.reducer.prepare(self, b)
         bucket.presence.fill_(1)
         if self._remaining[b]:
             self._fill_missing(bucket)
@@ -285,10 +298,12 @@ class GradientBuckets:
 
     def _finish(self) -> None:
         """Launch what is not launched yet (in order), wait for everything, close the cycle."""
+        alone = self._launched == 0 and reduces_nothing(self)  # a world of one: each gradient is its sum
         try:
-            while self._launched < len(self.buckets):
+            while not alone and self._launched < len(self.buckets):
                 self._launch(self._launched)
-            self.reducer.flush(self)
+            if not alone:
+                self.reducer.flush(self)
             for bucket in self.buckets:
                 if bucket.request is not None:
                     self._complete(bucket)
@@ -330,7 +345,7 @@ class GradientBuckets:
         self.nonfinite_ranks = ranks_with(any_set([b.found for b in self.buckets]))
         if self.on_nonfinite == "raise":
             raise nonfinite_error(self.call, self.nonfinite_ranks)
-        for p in self.params:  # optimizers skip parameters without a gradient: the step changes nothing
+        for p in (*self.params, *self.shadows):  # optimizers skip parameters without a gradient
             p.grad = None
         self.skipped += 1
 

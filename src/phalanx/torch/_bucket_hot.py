@@ -25,18 +25,40 @@ __all__ = ["Bucket", "adopt_scaled", "scale_unscaled"]
 class Bucket:
     """One flat buffer of gradients reduced by one collective, and its state in the open cycle."""
 
-    __slots__ = ("params", "flat", "grads", "presence", "flag", "found", "wire", "request", "absent")
+    __slots__ = ("params", "flat", "grads", "presence", "flag", "found", "wire", "request", "absent", "tail",
+                 "live")
 
-    def __init__(self, params: list[int], flat: torch.Tensor, numel: int, wire: torch.Tensor | None) -> None:
+    def __init__(self, params: list[int], flat: torch.Tensor, numel: int, wire: torch.Tensor | None,
+                 tail: torch.Tensor | None = None) -> None:
         self.params = params      # parameter indices, in layout order
         self.flat = flat          # gradients, one presence slot per parameter, one non-finite flag
         self.grads = flat[:numel]
-        self.presence = flat[numel:numel + len(params)]
-        self.flag = flat[-1:]     # with check_finite: 1 on a rank whose own gradients were not finite
+        self.tail = tail          # a padded layout's presence slots and flag, apart from flat (else None)
+        meta = flat[numel:] if tail is None else tail
+        self.presence = meta[:len(params)]
+        self.flag = meta[-1:]     # with check_finite: 1 on a rank whose own gradients were not finite
         self.found = torch.zeros(1, dtype=torch.float32, device=flat.device)  # this rank's flag
         self.wire = wire          # 16-bit copy of flat when compressed
         self.request: Any = None  # the backend request in flight
         self.absent: list[int] = []  # positions (in params) with no local gradient this cycle
+        self.live = True          # flat's memory is allocated (a sharding reducer releases it between cycles)
+
+    def release(self) -> None:
+        """Free the memory of ``flat`` (and ``wire``); the views into it stay valid objects, unusable
+        until :meth:`revive`."""
+        for t in (self.flat, self.wire):
+            if t is not None:
+                t.untyped_storage().resize_(0)
+        self.live = False
+
+    def revive(self) -> None:
+        """Allocate ``flat`` (and ``wire``) again, every view into it valid; the padding after the
+        gradients is zeroed, the gradients are left for the engine to write."""
+        for t in (self.flat, self.wire):
+            if t is not None:
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+        self.flat[self.grads.numel():].zero_()
+        self.live = True
 
 
 def adopt_scaled(view: torch.Tensor, grad: torch.Tensor, scale: float) -> None:

@@ -28,8 +28,13 @@ _Key = tuple[torch.dtype, torch.device]
 
 
 def lay_out(params: Sequence[torch.Tensor], *, cap_mb: float, first_mb: float,
-            wire_dtype: torch.dtype | None) -> tuple[list[Bucket], list[int], list[torch.Tensor]]:
-    """The buckets of ``params``, the bucket of each parameter, and each parameter's gradient view."""
+            wire_dtype: torch.dtype | None, pad: int | None = None) -> tuple[list[Bucket], list[int], list[torch.Tensor]]:
+    """The buckets of ``params``, the bucket of each parameter, and each parameter's gradient view.
+
+    ``pad`` (a reduce-scatter over ``pad`` ranks): each flat buffer holds only the gradients,
+    zero-padded to a multiple of ``pad``; its presence slots and flag are a separate ``tail``; and
+    its memory is not allocated until the engine first writes it (:meth:`Bucket.revive`); and a
+    parameter of at least ``cap_mb`` starts a bucket of its own."""
     groups: dict[_Key, list[int]] = {}
     sizes: dict[_Key, int] = {}
     made: dict[_Key, int] = {}
@@ -39,6 +44,10 @@ def lay_out(params: Sequence[torch.Tensor], *, cap_mb: float, first_mb: float,
     for i in reversed(range(len(params))):
         p = params[i]
         key = (p.dtype, p.device)
+        nbytes = p.numel() * p.element_size()
+        if pad is not None and groups.get(key) and nbytes >= cap_mb * 2**20:
+            closed.append((opened[key], groups.pop(key)))  # a parameter of a bucket's size gets its own:
+            made[key] = made.get(key, 0) + 1  # the sharding reducer then reduces its gradient in place
         if key not in groups:
             groups[key], sizes[key], opened[key] = [], 0, serial
             serial += 1
@@ -56,7 +65,11 @@ def lay_out(params: Sequence[torch.Tensor], *, cap_mb: float, first_mb: float,
     for b, (_, indices) in enumerate(closed):
         first = params[indices[0]]
         numel = sum(params[i].numel() for i in indices)
-        flat = torch.zeros(numel + len(indices) + 1, dtype=first.dtype, device=first.device)
+        if pad is not None:  # views need a tensor of the full size; empty() touches no memory before release
+            flat = torch.empty(-(-numel // pad) * pad, dtype=first.dtype, device=first.device)
+            tail = torch.zeros(len(indices) + 1, dtype=first.dtype, device=first.device)
+        else:
+            flat, tail = torch.zeros(numel + len(indices) + 1, dtype=first.dtype, device=first.device), None
         offset = 0
         for i in indices:
             p = params[i]
@@ -65,5 +78,7 @@ def lay_out(params: Sequence[torch.Tensor], *, cap_mb: float, first_mb: float,
             offset += p.numel()
         compress = wire_dtype is not None and first.dtype.itemsize > 2
         wire = torch.empty(flat.numel(), dtype=wire_dtype, device=first.device) if compress else None
-        buckets.append(Bucket(indices, flat, numel, wire))
+        buckets.append(Bucket(indices, flat, numel, wire, tail))
+        if pad is not None:
+            buckets[-1].release()
     return buckets, bucket_of, views

@@ -33,11 +33,15 @@ One reduction cycle, in this order on every rank:
    gradients absent on this rank but present on another; then each of
    ``bucket_hooks(engine, bucket)`` (Horovod's post-scaling).
 
-What the next features plug in where: a sharded optimizer (ZeRO) is a
-reducer whose ``launch`` posts a reduce-scatter of the bucket and whose
-``complete`` keeps this rank's shard, with a bucket hook pointing the
+A reducer that releases a bucket's memory between cycles (``bucket.live``
+False) is asked to ``prepare(engine, index)`` it before backward first writes
+it. Sharded gradients (``shard="gradients"``, ``_shard_reducer.py``) are such a
+reducer: ``launch`` posts a reduce-scatter of the bucket, ``prepare``
+completes the earlier buckets and revives this one, ``complete`` keeps this
+rank's chunk and releases the bucket, and a bucket hook points the slices'
 gradients at it; staging CUDA buckets through pinned host memory is a
-reducer wrapping another (copy out in ``launch``, back in ``complete``); a
+reducer wrapping another (copy out in ``launch``, back in ``complete``:
+``torch/_staged.py``); a world of one reduces nothing (:func:`reduces_nothing`); a
 per-step check is a reduction hook. Hooks receive the engine instead of
 closing over it, so a wrapper's hooks keep no reference cycle alive.
 What each bucket holds: ``torch/_bucket_hot.py`` (:class:`Bucket`). The
@@ -53,8 +57,9 @@ from .. import _trace
 from ._bucket_hot import Bucket
 from ._common import backend_call
 from ._powersgd import DEFERRED, PowerSGD, attach_powersgd
+from ._staged import staged_if_needed
 
-__all__ = ["BucketHook", "EngineHook", "PowerSGDReducer", "Reducer", "reducer_for"]
+__all__ = ["BucketHook", "EngineHook", "PowerSGDReducer", "Reducer", "reducer_for", "reduces_nothing"]
 
 EngineHook = Callable[[Any], None]
 """A pass or reduction hook: called with the engine (a ``GradientBuckets``)."""
@@ -78,6 +83,11 @@ class Reducer:
         if _trace.ON:
             _trace.bucket_launch(bucket, engine.call, index, send, len(bucket.params))
         return request
+
+    def prepare(self, engine: Any, index: int) -> None:
+        """Before ``engine.buckets[index]`` is first written in a cycle while its memory is released
+        (``bucket.live`` is False: only a reducer that releases buckets sees this call): revive it."""
+        engine.buckets[index].revive()
 
     def flush(self, engine: Any) -> None:
         """After the last launch of a reduction, before any bucket is completed: nothing here."""
@@ -106,6 +116,17 @@ class PowerSGDReducer(Reducer):
 
 def reducer_for(compression: Any, engine: Any) -> Reducer:
     """The reducer a new engine starts with: PowerSGD's for that compression (its state laid out for
-    ``engine``), else the plain allreduce."""
+    ``engine``), else the plain allreduce (through pinned host buffers for CUDA buckets on a transport
+    that reduces on the host: :func:`._staged.staged_if_needed`)."""
     state = attach_powersgd(compression, engine)
-    return Reducer() if state is None else PowerSGDReducer(state)
+    return staged_if_needed(engine, Reducer()) if state is None else PowerSGDReducer(state)
+
+
+def reduces_nothing(engine: Any) -> bool:
+    """Whether a reduction would leave every gradient as it is: a world of one with the plain reducer,
+    no factor, no 16-bit wire, no check or hook. The engine then neither copies gradients into its
+    buckets nor calls the backend (a world of one costs nothing)."""
+    return (engine.world.size == 1 and type(engine.reducer) is Reducer
+            and engine.prescale == 1.0 and not engine.check_finite and not engine.check_steps
+            and not engine.reduction_hooks and not engine.bucket_hooks
+            and all(b.wire is None and b.live and b.tail is None for b in engine.buckets))

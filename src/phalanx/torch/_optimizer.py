@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -29,6 +29,8 @@ from ._bucket import GradientBuckets, check_options
 from ._common import Compression, GradientOp
 from ._engine_owner import EngineOwner
 from ._finite import NonFinitePolicy, check_policy
+from ._shard_plan import check_elementwise
+from ._sharded import Sharding, check_shard
 
 __all__ = ["DistributedOptimizer"]
 
@@ -47,6 +49,12 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
     ``GradScaler`` work) sharing ``param_groups``, ``state`` and ``defaults``
     with ``optimizer``; ``state_dict()``/``load_state_dict()`` are the wrapped
     optimizer's, so checkpoints are interchangeable with plain torch ones.
+    ``isinstance(opt, torch.optim.Adam)`` is False (it is True for
+    ``phalanx.horovod.torch``'s): this class is not built at run time as a
+    subclass of the wrapped one (``STYLE.md``); test the wrapped optimizer,
+    ``isinstance(opt.optimizer, torch.optim.Adam)``. There is no
+    ``synchronize()``: the gradients are already reduced when ``backward()``
+    returns (accumulate under :meth:`no_sync`).
     When ``backward()`` returns, the gradients are reduced: clipping,
     ``scaler.unscale_`` and logging between backward and ``step()`` see the
     reduced values. ``step()`` reduces first only what backward did not
@@ -74,6 +82,26 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
             broadcast among its members only (``"avg"`` is the mean over the
             group, the broadcast is from its group rank 0); None (default) is
             the whole world. Only members may make it.
+
+    Sharding (``docs/sharding.md``; exact, for element-wise optimizers: SGD, Adam,
+    AdamW, Adagrad, Adadelta, Adamax, ASGD, NAdam, RAdam, RMSprop, Rprop):
+        shard: None (default): every rank keeps the whole optimizer state.
+            ``"optimizer"`` (ZeRO stage 1): each rank keeps the optimizer state
+            of, and updates, about 1/N of every bucket of parameters; the
+            updated parameters are all-gathered after each ``step()``.
+            Gradients are allreduced as without sharding: ``p.grad`` holds
+            the whole reduced gradient after ``backward()``.
+            ``"gradients"`` (ZeRO stage 2): also the gradients are
+            reduce-scattered bucket by bucket while backward runs and each
+            rank keeps only its slice; after ``backward()`` **``p.grad`` is
+            None** for the model's parameters and the reduced slices are the
+            ``.grad`` of the parameters in ``opt.param_groups``. Either way
+            ``opt.param_groups`` (and ``opt.state``) hold this rank's slices:
+            1-D Parameters sharing the memory of the model's parameters.
+            Clip with :meth:`clip_grad_norm_` (the norm over every rank's
+            slices); with ``GradScaler`` use :class:`ShardedGradScaler`.
+            ``state_dict()`` is the whole, unsharded state (collective), so
+            checkpoints load with or without sharding, at any number of ranks.
 
     Set-up:
         broadcast_parameters: start from rank 0's parameters and optimizer
@@ -112,7 +140,7 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
                  broadcast_parameters: bool = True,
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                  nonfinite: NonFinitePolicy | None = None, check_steps: bool | None = None,
-                 group: Group | None = None) -> None:
+                 group: Group | None = None, shard: Literal["optimizer", "gradients"] | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, DistributedOptimizer):
             raise InvalidArgumentError(
                 f"phalanx.{_CALL}(optimizer={type(optimizer).__name__}): pass a plain torch optimizer, "
@@ -138,10 +166,19 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
         check_policy(_CALL, nonfinite)
         self._group = group
         self._check_steps = world_for(group, _CALL).debug if check_steps is None else bool(check_steps)
+        check_shard(_CALL, shard, compression, group)
+        if shard is not None:
+            check_elementwise(_CALL, optimizer, shard)
+        self._shard = shard
+        self._sharding: Sharding | None = None
+        self._full_groups = [list(g["params"]) for g in optimizer.param_groups]  # what the user passed
         self._engine = self._make_engine()  # first: it checks that the ranks wrap the same parameters
         self.nonfinite = nonfinite
         if broadcast_parameters:
             self._broadcast(self._all_params())
+        if self._sharding is not None:
+            self._sharding.adopt(optimizer)  # after the broadcast: the whole state, then this rank's part
+            self._step_supports_amp_scaling = True  # GradScaler calls step() and tells it found_inf
         self._reduced_at_step = self._engine.reductions
 
     # -- shared with the wrapped optimizer ---------------------------------------
@@ -173,9 +210,19 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
         options = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
         return f"DistributedOptimizer({self.optimizer!r}, {options}, backward_passes_per_step={self._passes})"
 
+    def __getattr__(self, name: str) -> Any:
+        """Only for names not found: a hint where a Horovod user expects ``synchronize()``."""
+        if name in ("synchronize", "skip_synchronize"):
+            raise AttributeError(
+                f"phalanx.{_CALL} has no {name}(): the gradients are already averaged when backward() "
+                "returns, so call opt.step() directly; to accumulate without reducing, use "
+                "`with opt.no_sync():` (or backward_passes_per_step=k). Horovod's API, synchronize() "
+                "included, is phalanx.horovod.torch.DistributedOptimizer.")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # -- setup ------------------------------------------------------------------
     def _all_params(self) -> list[torch.Tensor]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
+        return [p for group in self._full_groups for p in group]
 
     def _broadcast(self, params: list[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -183,12 +230,16 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
 
     def _make_engine(self) -> GradientBuckets:
         params, names = [], []
-        for g, group in enumerate(self.optimizer.param_groups):
-            for k, p in enumerate(group["params"]):
+        for g, group in enumerate(self._full_groups):
+            for k, p in enumerate(group):
                 params.append(p)
                 names.append(self._names.get(id(p), f"param_groups[{g}]['params'][{k}]"))
+        size = world_for(self._group, _CALL).size
+        shard = self._shard if size > 1 else None  # one rank has nothing to split: shard= changes nothing
         engine = GradientBuckets(params, names, call=_CALL, passes_per_reduction=self._passes, group=self._group,
-                                 **self._options)
+                                 pad=size if shard == "gradients" else None, **self._options)
+        if shard is not None:
+            self._sharding = Sharding(engine, shard, _CALL, self._group)
         engine.check_steps = self._check_steps
         engine.steps_by_reduction = False  # step() advances the label: a rank that skips step() is named
         return engine
@@ -198,9 +249,15 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
         engine = getattr(self, "_engine", None)
         if engine is not None and engine.in_flight:
             raise self._in_flight("add_param_group")
+        if getattr(self, "_shard", None) is not None:
+            raise UsageError(
+                f"phalanx.{_CALL}(shard={self._shard!r}).add_param_group: a sharded optimizer's groups are "
+                "fixed when it is wrapped. Pass every parameter group to the optimizer before wrapping it "
+                "(groups with different hyper-parameters are fine), or use shard=None.")
         self.optimizer.add_param_group(param_group)
         if engine is None:
             return
+        self._full_groups.append(list(self.optimizer.param_groups[-1]["params"]))
         engine.close()
         self._engine = self._make_engine()
         self._engine.step_label = engine.step_label
@@ -243,13 +300,39 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
         if step is not None:
             engine.world.enter(f"{_CALL}.step", None, None, -1, step)
             engine.check_steps = self._check_steps = True  # agreements pair with agreements from now on
-        if engine.on_nonfinite == "skip" and engine.nonfinite_ranks:
+        sharding = self._sharding
+        if engine.on_nonfinite == "skip" and engine.nonfinite_ranks or (
+                sharding is not None and self._scaler_found_inf()):
             result = None  # the gradients were dropped on every rank alike
-        else:
+        elif sharding is None:
             result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        else:
+            sharding.before_step()
+            result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+            sharding.gather()
         self._reduced_at_step = engine.reductions
         engine.step_label += 1
         return result
+
+    def _scaler_found_inf(self) -> bool:
+        """Sharded, under a GradScaler (it set ``found_inf``): whether any rank's gradients were not
+        finite, as :class:`ShardedGradScaler` agreed; torch's own GradScaler checks only this rank's
+        slices, so its verdict would differ between ranks: an error, on every rank alike."""
+        found = getattr(self, "found_inf", None)
+        if found is None:
+            return False
+        if not getattr(self, "_inf_agreed", False):
+            raise UsageError(
+                f"phalanx.{_CALL}(shard={self._shard!r}) under torch's GradScaler: its inf/NaN check sees "
+                "only this rank's slice of the gradients, so the ranks could disagree on skipping a step. "
+                "Use `phalanx.torch.ShardedGradScaler()` (the same API; it agrees across ranks).")
+        self._inf_agreed = False
+        if torch.as_tensor(found).item() > 0:
+            return True
+        scale = getattr(self, "grad_scale", None)  # set when the gradients are still scaled
+        if scale is not None:
+            self._sharding.unscale(scale)  # type: ignore[union-attr]
+        return False
 
     def _needs_reduction(self) -> bool:
         # Reduced by backward since the last step, and no local-only pass since: nothing to do.
@@ -261,6 +344,22 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
         if self._engine.in_flight:
             raise self._in_flight("zero_grad")
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self._sharding is not None:
+            self._sharding.zero_grad(set_to_none)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the reduced gradients to a total norm of ``max_norm`` and return that norm, as
+        ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)`` does on the whole gradients.
+
+        Sharded, the norm is taken over every rank's slices (one small allreduce; call it on every
+        rank, between ``backward()`` and ``step()``); unsharded, it is torch's own over the
+        optimizer's parameters. The same value on every rank either way.
+        """
+        if self._sharding is None:
+            return torch.nn.utils.clip_grad_norm_(self._all_params(), max_norm, norm_type)
+        if self._needs_reduction():
+            self._engine.reduce()
+        return self._sharding.clip_grad_norm_(max_norm, norm_type)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -281,12 +380,22 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
 
     # -- checkpoints: the wrapped optimizer's own ---------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's ``state_dict()`` (the same on every rank after a step)."""
+        """The wrapped optimizer's ``state_dict()`` (the same on every rank after a step).
+
+        Sharded: the whole state as the unsharded optimizer's would be, assembled from every rank's
+        slices (collective: call it on every rank; each holds the whole state until it is dropped).
+        """
+        if self._sharding is not None:
+            return self._sharding.state_dict(self.optimizer)
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """The wrapped optimizer's ``load_state_dict()``: a plain torch optimizer's state fits."""
-        self.optimizer.load_state_dict(state_dict)
+        """The wrapped optimizer's ``load_state_dict()``: a plain torch optimizer's state fits (sharded,
+        too: each rank keeps its slices of it)."""
+        if self._sharding is not None:
+            self._sharding.load_state_dict(self.optimizer, state_dict)
+        else:
+            self.optimizer.load_state_dict(state_dict)
 
     def close(self) -> None:
         """Stop reducing gradients (removes the hooks); the wrapped optimizer is unchanged."""

@@ -14,10 +14,13 @@ backend, with the gradient engine of ``DistributedOptimizer`` (``_bucket.py``).
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .._groups import Group, world_for
 from .._sync import synchronize
@@ -25,6 +28,8 @@ from ._bucket import GradientBuckets, check_options
 from ._common import Compression, GradientOp, backend_call
 from ._engine_owner import EngineOwner
 from ._finite import NonFinitePolicy, check_policy
+from ._shard_plan import check_elementwise
+from ._sharded import Sharding, check_shard
 
 __all__ = ["DataParallel"]
 
@@ -100,9 +105,24 @@ class DataParallel(EngineOwner, torch.nn.Module):
             gradients (``.grad = None``), so the optimizer's next ``step()``
             changes nothing. :meth:`nonfinite_ranks` names the ranks.
         check_steps: before each reduction the ranks agree on the number of
-            reductions so far (one small agreement per step), so a rank that
-            reduced once more or less is named on every rank before any
-            gradient moves. Default: on when ``PHALANX_DEBUG=1``.
+            training forwards so far (grad enabled, ``model.train()``; one
+            small agreement per step, within the noise of a step of the
+            benchmark MLP), so a rank that skipped a backward, or that calls
+            another collective instead, is named on every rank before any
+            gradient moves. Default on (with more than one rank); ``False`` turns it off.
+
+    Sharding (ZeRO stages 1 and 2, as torch's FSDP does it; ``docs/sharding.md``):
+        shard: ``"optimizer"`` or ``"gradients"``: :meth:`parameters` (and
+            ``named_parameters``) yield this rank's slice of each parameter
+            (1-D Parameters sharing the parameters' memory), so the optimizer
+            made on them keeps state for about 1/N of the model; after each
+            ``optimizer.step()`` the updated slices are all-gathered into the
+            parameters. ``"gradients"`` also reduce-scatters the gradients:
+            the model's ``p.grad`` is None after backward and only the slices
+            carry gradients. After a step the whole ``p.grad`` is released
+            (``"optimizer"``). Element-wise optimizers only (SGD, Adam, AdamW,
+            ...); clip with :meth:`clip_grad_norm_`, scale with
+            :class:`ShardedGradScaler`. None (default): no sharding.
 
     Raises:
         InvalidArgumentError: an unknown ``op``/``compression`` or a bucket size <= 0.
@@ -116,30 +136,65 @@ class DataParallel(EngineOwner, torch.nn.Module):
     def __init__(self, module: torch.nn.Module, *, op: GradientOp = "avg", bucket_cap_mb: float = 25,
                  compression: Compression | None = None, broadcast_buffers: bool = True,
                  nonfinite: NonFinitePolicy | None = None, check_steps: bool | None = None,
-                 group: Group | None = None) -> None:
+                 group: Group | None = None, shard: Literal["optimizer", "gradients"] | None = None) -> None:
         super().__init__()
+        self._sharding: Sharding | None = None
         check_options(_CALL, op, bucket_cap_mb, compression)
         check_policy(_CALL, nonfinite)
+        check_shard(_CALL, shard, compression, group)
         self.module = module
         self.broadcast_buffers = bool(broadcast_buffers)
         self._world = world_for(group, _CALL)
         named = list(module.named_parameters())
         # The engine first: it checks that the ranks wrap the same parameters, naming the first difference.
         self._engine = GradientBuckets([p for _, p in named], [n for n, _ in named], call=_CALL, op=op,
-                                       bucket_cap_mb=bucket_cap_mb, compression=compression, group=group)
+                                       bucket_cap_mb=bucket_cap_mb, compression=compression, group=group,
+                                       pad=self._world.size if shard == "gradients" and self._world.size > 1
+                                       else None)
         self.nonfinite = nonfinite
-        self._engine.check_steps = self._world.debug if check_steps is None else bool(check_steps)
+        default = self._world.size > 1  # one rank has no peer to disagree with: its step costs nothing
+        self._engine.check_steps = default if check_steps is None else bool(check_steps)
+        self._engine.steps_by_reduction = False  # forward() counts the steps (step_label): a skipped backward shows
+        self._reduced_at_forward = -1  # the engine's reduction count at the last training forward
         with torch.no_grad():
             synchronize(module, root=0, group=group)  # rank 0's parameters and buffers
         buffers = list(module.buffers())
         self._pack = _BufferPack(buffers) if buffers and self._world.size > 1 else None
         self._require_sync = True
+        if shard is not None and self._world.size > 1:  # one rank has nothing to split
+            self._sharding = Sharding(self._engine, shard, _CALL, group)
+            for register, fn in ((register_optimizer_step_pre_hook, _before_step),
+                                 (register_optimizer_step_post_hook, _after_step)):
+                hook = register(functools.partial(fn, weakref.ref(self)))
+                weakref.finalize(self, hook.remove)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The module's parameters; sharded, this rank's slice of each one the gradients of which are
+        reduced (what the optimizer must update), under the parameter's name."""
+        named = super().named_parameters(prefix, recurse, remove_duplicate)
+        if self._sharding is None:
+            yield from named
+            return
+        slices = {id(p): s for p, s in zip(self._sharding.plan.params, self._sharding.shards, strict=True)}
+        for name, p in named:
+            yield name, slices.get(id(p), p)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the reduced gradients, sharded or not: the total norm
+        is over every rank's slices (one small allreduce; call it on every rank after backward)."""
+        if self._sharding is None:
+            return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
+        return self._sharding.clip_grad_norm_(max_norm, norm_type)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """``module(*args, **kwargs)``, after broadcasting rank 0's buffers in training mode."""
         if self.training and self.broadcast_buffers and self._pack is not None:
             self._sync_buffers(self._pack)
         self._engine.sync = self._require_sync  # DDP decides at forward time, too
+        if self.training and torch.is_grad_enabled():
+            self._engine.step_label += 1  # the training step the next reduction belongs to
+            self._reduced_at_forward = self._engine.reductions
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -155,11 +210,14 @@ class DataParallel(EngineOwner, torch.nn.Module):
     def reduce_gradients(self) -> None:
         """Reduce the current gradients now (collective): for passes that did not reduce in backward,
         e.g. after ``no_sync()`` when no synced backward follows."""
+        if self._engine.reductions > self._reduced_at_forward:  # no forward of its own (a rank without
+            self._engine.step_label += 1  # a batch this step): it stands for that step's forward
         self._engine.reduce()
 
     def close(self) -> None:
         """Stop reducing gradients (removes the hooks); ``module`` is unchanged."""
         self._engine.close()
+        self._sharding = None
 
     def _sync_buffers(self, pack: _BufferPack) -> None:
         world = self._world
@@ -171,3 +229,24 @@ class DataParallel(EngineOwner, torch.nn.Module):
                 backend_call(world, _CALL, world.backend.broadcast, packed, 0, True, world.timeout)
                 if not root:
                     torch._foreach_copy_(buffers, views)
+
+
+def _before_step(ref: weakref.ref[DataParallel], optimizer: torch.optim.Optimizer, args: Any,
+                 kwargs: Any) -> None:
+    """Before any optimizer's step: one that updates a sharded DataParallel's slices must be element-wise."""
+    model = ref()
+    sharding = None if model is None else model._sharding
+    if sharding is not None and sharding.updates(optimizer):
+        check_elementwise(_CALL, optimizer, sharding.shard)
+
+
+def _after_step(ref: weakref.ref[DataParallel], optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After any optimizer's step: if it updates a sharded DataParallel's slices, all-gather them (and
+    release the whole gradients: the next backward writes fresh ones)."""
+    model = ref()
+    sharding = None if model is None else model._sharding
+    if sharding is None or not sharding.updates(optimizer):
+        return
+    sharding.gather()
+    if sharding.shard == "optimizer":
+        sharding.zero_grad(set_to_none=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -29,7 +29,8 @@ def fit(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], opt
         plot: str | os.PathLike[str] | bool | None = None, on_nonfinite: FailurePolicy = "skip",
         on_oom: FailurePolicy = "skip", max_skipped: int = 10, seed: int = 0, shuffle: bool = True,
         num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
-        compression: Compression | None = None, bucket_cap_mb: float = 25) -> History:
+        compression: Compression | None = None, bucket_cap_mb: float = 25,
+        shard: Literal["optimizer", "gradients"] | None = None) -> History:
     """Train ``model`` data-parallel on every rank (and replica) and return the metrics' :class:`History`.
 
     ::

@@ -47,6 +47,9 @@ OPTIONS_DOC = """
         compression, bucket_cap_mb: for the :class:`phalanx.torch.DistributedOptimizer` fit wraps around
             the optimizer (compression: None, ``"bf16"``, ``"fp16"``, ``"powersgd"`` or a
             ``phalanx.torch.PowerSGD``).
+        shard: ``"optimizer"`` or ``"gradients"``: shard the optimizer state (and the gradients) across
+            the ranks, ZeRO stage 1 or 2 (``docs/sharding.md``; not with replicas); None: no sharding.
+            Checkpoints hold the whole state and resume at any number of ranks, sharded or not.
     Precision:
         precision: ``None`` (as the model is), ``"bf16"`` (autocast) or ``"fp16"`` (autocast and a
             GradScaler).
@@ -91,6 +94,7 @@ class FitOptions:
     replicas: int | Sequence[Any] | None = None
     compression: Compression | None = None
     bucket_cap_mb: float = 25
+    shard: Literal["optimizer", "gradients"] | None = None
     precision: Precision = None
     checkpoint_dir: str | os.PathLike[str] | None = None
     checkpoint_every: int | None = None
@@ -159,6 +163,13 @@ def _problem(o: FitOptions) -> str | None:
     if isinstance(o.topk, (str, bytes)) or not isinstance(o.topk, Iterable) or any(
             isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in o.topk):
         return f"topk={o.topk!r}): give positive ints, e.g. (1, 5), or () for none."
+    if o.shard is not None and o.shard not in ("optimizer", "gradients"):
+        return (f"shard={o.shard!r}): use None, 'optimizer' (ZeRO stage 1: each rank keeps 1/N of the "
+                "optimizer state) or 'gradients' (stage 2: also 1/N of the gradients).")
+    if o.shard is not None and o.replicas is not None:
+        return (f"shard={o.shard!r}, replicas={o.replicas!r}): sharding splits the state among processes; "
+                "in-process replicas each need the whole state. Use processes (phalanx run -n N) with shard=, "
+                "or replicas without it.")
     if o.grad_clip is not None and not (isinstance(o.grad_clip, (int, float)) and o.grad_clip > 0):
         return f"grad_clip={o.grad_clip!r}): give the maximal gradient norm (> 0), or leave it out."
     if o.resume is not None and o.checkpoint_dir is None and str(o.resume) == "latest":

@@ -17,11 +17,13 @@ __all__ = ["capture", "resume"]
 
 def capture(run: RunState) -> dict[str, Any]:
     """The state of ``run`` at its current step (collective)."""
+    from ..torch._sharded import whole_state  # a sharded optimizer's state is saved whole
+
     g = run.geometry
     progress = {**run.progress.position(), "world_size": g.ranks, "replicas": g.replicas,
                 "batch_size": g.batch_size, "accumulate": g.accumulate, "global_batch": g.step_samples,
                 "skipped": run.policy.skipped}
-    return capture_state(model=run.model, optimizer=run.inner, scheduler=run.scheduler, scaler=run.scaler,
+    return capture_state(model=run.model, optimizer=whole_state(run.inner), scheduler=run.scheduler, scaler=run.scaler,
                          progress=progress, extra={"history": run.history.to_json()})
 
 
@@ -31,10 +33,12 @@ def resume(run: RunState) -> bool:
     ``"latest"`` takes the newest checkpoint that loads *and* restores on every rank: a damaged one
     (digest mismatch, bad RNG state) on any rank makes every rank fall back to the previous one.
     """
+    from ..torch._sharded import whole_state
+
     o = run.o
 
     def use(state: dict[str, Any]) -> dict[str, Any]:
-        progress = restore_state(state, model=run.model, optimizer=run.inner, scheduler=run.scheduler,
+        progress = restore_state(state, model=run.model, optimizer=whole_state(run.inner), scheduler=run.scheduler,
                                  scaler=run.scaler)
         try:
             run.progress.restore(progress)

@@ -60,7 +60,9 @@ class Run:
                                     rank=self.rank, size=self.size)
         self._wrappers(optimizer)
         self.device = model_device(model)
-        self.scaler = torch.amp.GradScaler(self.device.type) if o.precision == "fp16" else None
+        from ..torch import ShardedGradScaler  # torch's GradScaler, agreeing across ranks when sharded
+
+        self.scaler = ShardedGradScaler(self.device.type) if o.precision == "fp16" else None
         self.scheduler = o.scheduler(self.inner) if callable(o.scheduler) and not hasattr(
             o.scheduler, "step") else o.scheduler
         self.manager: Any = None
@@ -115,7 +117,7 @@ class Run:
         elif self.size > 1 and not isinstance(self.model, DataParallel):
             if not isinstance(optimizer, DistributedOptimizer):
                 self.dist_opt = DistributedOptimizer(
-                    optimizer, compression=o.compression, bucket_cap_mb=o.bucket_cap_mb,
+                    optimizer, compression=o.compression, bucket_cap_mb=o.bucket_cap_mb, shard=o.shard,
                     named_parameters=self.model.named_parameters())
                 self.step_opt = self.dist_opt
             self.engine = self.step_opt.engine
@@ -326,8 +328,14 @@ class Run:
         if o.grad_clip is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.step_opt)
-            params = [p for group in self.inner.param_groups for p in group["params"]]
-            torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+            from ..torch._sharded import sharding_of
+
+            sharding = sharding_of(self.inner)
+            if sharding is not None:  # the norm over every rank's slices
+                sharding.clip_grad_norm_(o.grad_clip, 2.0)
+            else:
+                params = [p for group in self.inner.param_groups for p in group["params"]]
+                torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
         if self.scaler is not None:
             self.scaler.step(self.step_opt)
             self.scaler.update()

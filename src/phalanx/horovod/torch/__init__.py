@@ -6,6 +6,7 @@ with phalanx's timeouts and mismatch errors where Horovod would stall. What
 differs from Horovod, and why, is in ``docs/horovod.md``.
 """
 
+from ..common.exceptions import HorovodInternalError, HostsUpdatedInterrupt  # where Horovod has them
 from . import (
     _adasum,
     _async,
@@ -34,6 +35,6 @@ from ._process_sets import *  # noqa: F403
 from ._sync_batch_norm import *  # noqa: F403
 from ._timeline import *  # noqa: F403
 
-__all__ = ["elastic", *sorted({name for module in (_adasum, _async, _autograd, _basics, _compression, _functions,
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "elastic", *sorted({name for module in (_adasum, _async, _autograd, _basics, _compression, _functions,
                                                    _join, _ops, _optimizer, _process_sets, _sync_batch_norm,
                                                    _timeline) for name in module.__all__})]

@@ -121,6 +121,6 @@ class HorovodReducescatter(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         op, factor, ps = ctx.args
         gathered = _impl.allgather(grad, ps, None, "reducescatter")
-        if op == _impl.Average:
-            factor /= set_size(ps)
+        if op == _impl.Sum:  # Horovod's convention: Sum scales the gathered gradient by the set size
+            factor *= set_size(ps)
         return gathered * factor if factor != 1.0 else gathered, None, None, None, None, None

@@ -3,8 +3,8 @@
 Every function takes tensors it may write (``out``: a copy, or the user's tensor for
 the in-place ``_`` variants) and returns the result. Translations:
 
-* ``Average`` is phalanx's ``avg`` on floats, a sum then floor division on integers
-  (Horovod's); ``prescale_factor``/``postscale_factor`` multiply before/after (on
+* ``Average`` is phalanx's ``avg`` on floats, a sum then division rounded toward zero
+  on integers (Horovod's); ``prescale_factor``/``postscale_factor`` multiply before/after (on
   integers, truncated back to the dtype).
 * A ``name`` becomes the step label of phalanx's agreement, so ranks that call in a
   different order (phalanx matches collectives by order, Horovod by name) get a
@@ -24,7 +24,7 @@ import torch
 import phalanx
 
 from ..._errors import InvalidArgumentError, UnsupportedArgumentError
-from .._errors import DuplicateNameError, HorovodMismatchError
+from .._errors import DuplicateNameError, HorovodMismatchError, HorovodUnsupportedError
 from . import _join
 from ._adasum import adasum_allreduce
 from ._process_sets import ProcessSet, global_process_set, set_group, set_size
@@ -117,7 +117,7 @@ def allreduce_into(out: torch.Tensor, op: int, pre: float, post: float, ps: Proc
         if out.is_floating_point():
             _reduce(out, "avg", step, ps, call)
         else:
-            _reduce(out, "sum", step, ps, call).floor_divide_(set_size(ps))
+            _reduce(out, "sum", step, ps, call).div_(set_size(ps), rounding_mode="trunc")
     else:
         _reduce(out, _PHALANX_OPS[op], step, ps, call)
     return scale(out, post)
@@ -214,9 +214,9 @@ def reducescatter(tensor: torch.Tensor, op: int, pre: float, post: float, ps: Pr
                   call: str = "reducescatter") -> torch.Tensor:
     """Reduce (Average or Sum) and give set rank ``r`` its share of dim 0 (the first ``dim0 % n`` get one more)."""
     guard_join(call, ps)
-    if op not in (Average, Sum):
-        raise InvalidArgumentError(f"hvd.{call}(op={_OP_NAMES.get(op, op)!r}): reducescatter supports hvd.Average "
-                                   "and hvd.Sum (as in Horovod).")
+    if op not in (Average, Sum):  # a RuntimeError, as Horovod's
+        raise HorovodUnsupportedError(f"hvd.{call}(op={_OP_NAMES.get(op, op)!r}): reducescatter supports "
+                                      "hvd.Average and hvd.Sum (as in Horovod).")
     if tensor.dim() == 0:
         raise InvalidArgumentError(f"hvd.{call}: a scalar has no first dimension to scatter; pass a 1-d tensor.")
     x = scale(tensor.detach().clone(memory_format=torch.contiguous_format), pre)
@@ -243,7 +243,7 @@ def reducescatter(tensor: torch.Tensor, op: int, pre: float, post: float, ps: Pr
         assert me is not None  # set_group above refused a set that is not registered
         out = phalanx.reduce_scatter(padded, phalanx_op, group=group)[: base + (me < extra)].contiguous()
     if op == Average and not out.is_floating_point():
-        out.floor_divide_(n)
+        out.div_(n, rounding_mode="trunc")
     return scale(out, post)
 
 

@@ -42,10 +42,12 @@ class _State:
 
     seen = False  # an exchange happened: every hvd allreduce goes through exchanges now
     previous: list[int] | None = None  # joined flags of the last exchange
+    attempts = 0  # exchanges this rank has tried (the ones that met another call included)
+    joined_at: int | None = None  # ``attempts`` when this rank's join() began
 
 
 def _reset() -> None:
-    _State.seen, _State.previous = False, None
+    _State.seen, _State.previous, _State.joined_at = False, None, None
 
 
 _on_shutdown.append(_reset)
@@ -62,12 +64,16 @@ def is_join_mismatch(exc: BaseException) -> bool:
 
 
 def _exchange(joined: bool, kind: int, dtype: int = -1, op: int = -1, numel: int = 0) -> np.ndarray:
-    """Every rank's ``(joined, kind, dtype, op, numel)``, rows in rank order; retried while it meets a
-    rank's other call (each retry is one failed agreement, on every rank alike)."""
-    mine = np.array([int(joined), kind, dtype, op, numel], dtype=np.int64)
+    """Every rank's ``(joined, kind, dtype, op, numel, waited)``, rows in rank order (``waited``: how many
+    exchanges a joined rank has tried since it joined); retried while it meets a rank's other call
+    (each retry is one failed agreement, on every rank alike)."""
+    mine = np.array([int(joined), kind, dtype, op, numel, 0], dtype=np.int64)
     for _ in range(_MAX_RETRIES):
+        if joined and _State.joined_at is not None:
+            mine[5] = _State.attempts - _State.joined_at
+        _State.attempts += 1
         try:
-            rows = np.asarray(phalanx.allgather(mine, step=JOIN_STEP)).reshape(-1, 5)
+            rows = np.asarray(phalanx.allgather(mine, step=JOIN_STEP)).reshape(-1, 6)
         except CollectiveMismatchError as exc:
             if not is_join_mismatch(exc):
                 raise
@@ -78,10 +84,10 @@ def _exchange(joined: bool, kind: int, dtype: int = -1, op: int = -1, numel: int
                                "collectives while this rank waited in join().")
 
 
-def _last_joined(flags: list[int]) -> int:
-    before = _State.previous or [0] * len(flags)
-    newest = [r for r, (now, then) in enumerate(zip(flags, before, strict=True)) if now and not then]
-    return max(newest) if newest else len(flags) - 1
+def _last_joined(rows: np.ndarray) -> int:
+    """The rank that joined last: the one that waited the fewest exchanges (the highest among equals)."""
+    waited = rows[:, 5].tolist()
+    return max(r for r, w in enumerate(waited) if w == min(waited))
 
 
 def _after(rows: np.ndarray) -> list[int]:
@@ -146,11 +152,12 @@ def join(device: int = -1) -> int:
     if not world.check:
         raise HorovodUnsupportedError("hvd.join() needs phalanx's per-call agreement to learn what the other "
                                       "ranks reduce; unset PHALANX_CHECK=0.")
+    _State.joined_at = _State.attempts
     while True:
         rows = _exchange(True, _JOINED)
         flags = rows[:, 0].tolist()
         if all(flags):
-            last = _last_joined(flags)
+            last = _last_joined(rows)
             _reset()
             return last
         _State.previous = flags

@@ -16,9 +16,7 @@ from typing import Any
 
 import torch
 
-import phalanx
-
-from . import _impl
+from . import _impl, _negotiate
 from ._autograd import (
     HorovodAllgather,
     HorovodAllreduce,
@@ -235,6 +233,11 @@ def grouped_reducescatter(tensors: list[torch.Tensor], name: str | None = None, 
 
 @horovod_errors
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Wait until every rank of the process set has called ``barrier``, bounded by phalanx's timeout."""
+    """Wait until every rank of the process set has called ``barrier``, bounded by phalanx's timeout.
+
+    Like Horovod's, the barrier is an operation matched by its position among this rank's
+    barriers: operations other ranks have not submitted yet do not block it, and the
+    operations every rank has submitted run meanwhile."""
     _impl.guard_join("barrier", process_set)
-    phalanx.barrier(group=set_group(process_set, "barrier"))
+    set_group(process_set, "barrier")
+    _negotiate.wait(_negotiate.submit("barrier", None, process_set, lambda: None), "barrier")

@@ -29,6 +29,7 @@ import phalanx
 from ..._errors import InvalidArgumentError, UnsupportedArgumentError
 from ...torch._bucket import GradientBuckets
 from .._errors import GradientSyncOrderError
+from ._basics import _on_shutdown
 from ._compression import Compression, wire_compression
 from ._functions import group_of
 from ._ops import Adasum, Average, Sum
@@ -36,6 +37,20 @@ from ._ops import Adasum, Average, Sum
 __all__ = ["DistributedOptimizer"]
 
 _CALL = "phalanx.horovod.torch.DistributedOptimizer"
+_live: weakref.WeakSet[Any] = weakref.WeakSet()  # Horovod optimizers whose engine hvd.shutdown() must close
+
+
+def _close_engines() -> None:
+    """``hvd.shutdown()``: every optimizer lets go of its engine (and, through it, of the world, whose
+    rendezvous port a later ``hvd.init()`` needs again); its next step after ``hvd.init()`` makes a new one."""
+    for opt in list(_live):
+        engine = opt.__dict__.get("_hvd_engine")
+        if engine is not None:
+            engine.close()
+        opt._hvd_engine, opt._hvd_stale = None, True
+
+
+_on_shutdown.append(_close_engines)
 _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
               "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
 _TOO_MANY = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
@@ -94,8 +109,25 @@ class _HorovodOptimizer(torch.optim.Optimizer):
         self._hvd_synchronized = False
         self._hvd_should_sync = True
         self._hvd_engine = None
+        self._hvd_stale = False
         if self._hvd_group is None or self._hvd_group.member:
             self._hvd_engine = self._hvd_make_engine()
+        _live.add(self)
+
+    def _hvd_current(self) -> _Buckets | None:
+        """The engine; after hvd.shutdown() and a new hvd.init(), a new one for the new world."""
+        if self._hvd_stale and phalanx.initialized():
+            self._hvd_stale = False
+            self._hvd_group = group_of(self.process_set)
+            if self._hvd_group is None or self._hvd_group.member:
+                self._hvd_engine = self._hvd_make_engine()
+        return self._hvd_engine
+
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Horovod's map of each parameter to the name its gradient is reduced under."""
+        return {p: self._hvd_names.get(id(p), f"allreduce.noname.{g}.{k}")
+                for g, group in enumerate(self.param_groups) for k, p in enumerate(group["params"])}
 
     def _hvd_size(self) -> int:
         return phalanx.size() if self._hvd_group is None else int(self._hvd_group.size)
@@ -133,7 +165,7 @@ class _HorovodOptimizer(torch.optim.Optimizer):
         Collective over the process set. Use it before changing gradients in place (clipping),
         then step inside :meth:`skip_synchronize`.
         """
-        engine = self._hvd_engine
+        engine = self._hvd_current()
         if engine is not None:
             if engine.in_flight or engine.unreduced or engine.reductions == engine.synced_at:
                 engine.reduce()
@@ -156,7 +188,7 @@ class _HorovodOptimizer(torch.optim.Optimizer):
         With a ``closure`` (LBFGS), every backward inside it reduces its gradients itself.
         Returns what the optimizer's own ``step`` returns.
         """
-        engine = self._hvd_engine
+        engine = self._hvd_current()
         if self._hvd_should_sync and closure is None:
             if self._hvd_synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "

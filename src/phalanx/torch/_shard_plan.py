@@ -1,0 +1,181 @@
+"""Which elements of the training state each rank keeps when the optimizer is sharded (ZeRO).
+
+::
+
+    plan = ShardPlan(engine, call, group)        # after the engine laid out its buckets
+    plan.shards[i]                           # parameter i's slice on this rank: a Parameter sharing its memory
+    plan.chunk(b)                            # (k, lo, hi): bucket b's chunk length and this rank's [lo, hi)
+    plan.gather()                            # after the update: every rank's slices into every parameter
+
+Each bucket's gradients (``n`` elements, in the engine's layout) split into
+``size`` chunks of ``k = ceil(n / size)``: rank ``r`` owns elements
+``[r*k, min((r+1)*k, n))``, so shards differ by at most ``k`` elements per
+bucket and the last ranks' may be shorter or empty. The same split serves
+the reduce-scatter of ``shard="gradients"`` (the bucket padded to
+``size * k``) and the all-gather of the updated parameters. A parameter's
+slice is the part of its flattened elements inside this rank's chunk; its
+shard parameter is a view of the parameter's own memory, so the optimizer's
+in-place update changes the model's parameter directly, and the all-gather
+writes the other ranks' slices next to it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+from .._errors import InvalidArgumentError
+from ._common import backend_call
+
+__all__ = ["ELEMENTWISE", "ShardPlan", "check_elementwise"]
+
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop",
+               "Rprop")
+"""torch.optim optimizers whose update of an element reads only that element's state and gradient
+(and per-parameter counters), so a slice of a parameter updates exactly as the whole would."""
+COUNTERS = frozenset({"step", "eta", "mu", "mu_product"})  # per-parameter scalars in torch.optim states
+PIECE_BYTES = 4 << 20  # per rank and all-gather: the transient is WINDOW * (size + 1) pieces
+WINDOW = 2  # all-gathers in flight at once: overlap without a full-size transient
+
+
+def check_elementwise(call: str, optimizer: torch.optim.Optimizer, shard: str) -> None:
+    """InvalidArgumentError naming the optimizer unless it is a torch.optim class in ELEMENTWISE."""
+    cls = type(optimizer)
+    if cls.__module__.startswith("torch.optim") and cls.__name__ in ELEMENTWISE:
+        return
+    raise InvalidArgumentError(
+        f"phalanx.{call}(shard={shard!r}) cannot shard a {cls.__module__}.{cls.__qualname__}: it shards "
+        "parameters element by element, exact only for optimizers whose update of an element depends on "
+        f"that element alone (torch.optim {', '.join(ELEMENTWISE)}). Optimizers that couple the elements of "
+        "a parameter (LAMB, LARS, Adafactor, Muon, Shampoo, LBFGS) or subclasses phalanx cannot inspect "
+        "would silently change. Use shard=None (every rank keeps the whole optimizer state).")
+
+
+class ShardPlan:
+    """This rank's slice of every parameter of ``engine`` (a GradientBuckets), and the all-gather."""
+
+    def __init__(self, engine: Any, call: str, group: Any = None) -> None:
+        # the engine's buckets, parameters and world, not the engine: it holds this plan (no cycle)
+        self.buckets, self.params, self.world = engine.buckets, engine.params, engine.world
+        self.bucket_of = [0] * len(engine.params)
+        self.call = call
+        self.group = group
+        world = engine.world
+        size, rank = world.size, world.rank
+        self.size = size
+        self._chunks: list[tuple[int, int, int]] = []
+        self.slices: list[tuple[int, int]] = [(0, 0)] * len(engine.params)  # param-local [a, b)
+        self.offsets: list[int] = [0] * len(engine.params)  # each parameter's start in its bucket
+        for bucket in engine.buckets:
+            n = bucket.grads.numel()
+            k = -(-n // size)
+            lo, hi = min(rank * k, n), min((rank + 1) * k, n)
+            self._chunks.append((k, lo, hi))
+            base = bucket.flat.storage_offset()
+            for i in bucket.params:
+                self.bucket_of[i] = len(self._chunks) - 1
+                off = engine.views[i].storage_offset() - base
+                m = engine.params[i].numel()
+                a, b = min(max(lo - off, 0), m), min(max(hi - off, 0), m)
+                self.slices[i] = (a, max(a, b))
+                self.offsets[i] = off
+        self.shards = [self._shard(p, i) for i, p in enumerate(engine.params)]
+
+    def _shard(self, p: torch.Tensor, i: int) -> torch.nn.Parameter:
+        if not p.is_contiguous():
+            name = f"#{i}"
+            raise InvalidArgumentError(
+                f"phalanx.{self.call}: parameter {name} (shape {list(p.shape)}) is not contiguous, so its "
+                "slice cannot share its memory. Make it contiguous before wrapping (e.g. "
+                "`p.data = p.data.contiguous()`), or use shard=None.")
+        a, b = self.slices[i]
+        return torch.nn.Parameter(p.detach().view(-1)[a:b], requires_grad=p.requires_grad)
+
+    def chunk(self, b: int) -> tuple[int, int, int]:
+        """Bucket ``b``'s chunk length ``k`` and this rank's part ``[lo, hi)`` of its gradients."""
+        return self._chunks[b]
+
+    def position(self, i: int) -> int:
+        """Where parameter ``i``'s slice starts in this rank's chunk of its bucket."""
+        b = self.bucket_of[i]
+        return self.offsets[i] + self.slices[i][0] - self._chunks[b][1]
+
+    # -- after the update: every rank's slices everywhere -------------------------
+    @torch.no_grad()
+    def gather(self) -> None:
+        """All-gather the updated slices into every parameter (collective: every rank, after every
+        update), in pieces of at most ``PIECE_BYTES`` per rank, ``WINDOW`` pieces in flight: the
+        transient memory stays a few MiB whatever the bucket size."""
+        if self.size == 1:
+            return
+        world, size = self.world, self.size
+        flight: deque[tuple[int, int, int, Any, torch.Tensor]] = deque()
+        for b, bucket in enumerate(self.buckets):
+            k, lo, hi = self._chunks[b]
+            step = max(1, PIECE_BYTES // bucket.flat.element_size())
+            for j in range(0, k, step):
+                length = min(step, k - j)
+                send = torch.zeros(length, dtype=bucket.flat.dtype, device=bucket.flat.device)
+                self._copy(b, lo + j, min(lo + j + length, hi), send, into_params=False)
+                out = torch.empty(length * size, dtype=send.dtype, device=send.device)
+                request = backend_call(world, self.call, world.backend.iallgather_into, send, out)
+                flight.append((b, j, length, request, out))
+                if len(flight) >= WINDOW:
+                    self._unpack(*flight.popleft())
+        while flight:
+            self._unpack(*flight.popleft())
+
+    def _unpack(self, b: int, j: int, length: int, request: Any, out: torch.Tensor) -> None:
+        world = self.world
+        backend_call(world, self.call, request.wait, world.timeout)
+        k, n = self._chunks[b][0], self.buckets[b].grads.numel()
+        for r in range(self.size):
+            start = r * k + j
+            stop = min(start + length, (r + 1) * k, n)
+            if stop > start:
+                self._copy(b, start, stop, out[r * length:r * length + stop - start], into_params=True)
+
+    def _copy(self, b: int, start: int, stop: int, buf: torch.Tensor, into_params: bool) -> None:
+        """Between ``buf`` and the parameters' elements at bucket ``b``'s positions ``[start, stop)``."""
+        for i in self.buckets[b].params:
+            off, m = self.offsets[i], self.params[i].numel()
+            first, last = max(start, off), min(stop, off + m)
+            if last > first:
+                flat = self.params[i].view(-1)[first - off:last - off]
+                piece = buf[first - start:last - start]
+                (flat if into_params else piece).copy_(piece if into_params else flat)
+
+    # -- optimizer state: this rank's slices of a whole state, and back ---------------
+    def lengths(self, i: int) -> list[int]:
+        """The length of parameter ``i``'s slice on each rank, in rank order."""
+        b = self.bucket_of[i]
+        k, n = self._chunks[b][0], self.buckets[b].grads.numel()
+        off, m = self.offsets[i], self.params[i].numel()
+        return [max(0, min(min((r + 1) * k, n) - off, m) - max(min(r * k, n) - off, 0)) for r in range(self.size)]
+
+    def _per_element(self, i: int, key: Any, value: Any, shape: torch.Size) -> bool:
+        p = self.params[i]
+        return isinstance(value, torch.Tensor) and value.shape == shape and (p.dim() > 0 or key not in COUNTERS)
+
+    def slice_state(self, i: int, key: Any, value: Any) -> Any:
+        """Parameter ``i``'s state entry ``key: value`` on this rank: a tensor shaped like the
+        parameter is cut to this rank's slice (a copy); counters (``step``) are kept."""
+        if not self._per_element(i, key, value, self.params[i].shape):
+            return value
+        a, b = self.slices[i]
+        return value.reshape(-1)[a:b].clone()
+
+    def whole_state(self, i: int, key: Any, value: Any) -> Any:
+        """The inverse of :meth:`slice_state` (collective, in the same order on every rank): an entry
+        shaped like parameter ``i``'s slice becomes the whole parameter's, from every rank's slice."""
+        if not self._per_element(i, key, value, self.shards[i].shape):
+            return value
+        from .._collectives import allgather
+
+        lengths = self.lengths(i)
+        row = torch.zeros(max(lengths), dtype=value.dtype, device=value.device)
+        row[:value.numel()] = value
+        rows = allgather(row, group=self.group)
+        return torch.cat([rows[r, :n] for r, n in enumerate(lengths)]).view(self.params[i].shape)

@@ -1,0 +1,225 @@
+"""Sharded training (ZeRO stages 1 and 2) for the torch wrappers: ``shard="optimizer"`` and ``shard="gradients"``.
+
+::
+
+    sharding = Sharding(engine, "gradients", call, group)   # after the engine (laid out with pad=size)
+    sharding.adopt(optimizer)     # its param_groups now hold this rank's slices (and their state)
+    ...backward...                # shards' .grad: this rank's slice of the reduced gradients
+    sharding.before_step()        # stage 1: point the shards' .grad at the reduced gradients
+    optimizer.step()              # updates this rank's slices, in the parameters' own memory
+    sharding.gather()             # every rank's updated slices into every parameter
+    sharding.state_dict(optimizer)          # the whole (unsharded) state, on every rank (collective)
+
+With ``"optimizer"`` the gradients are allreduced as without sharding
+(``p.grad`` holds the whole reduced gradient) and each rank updates and
+keeps optimizer state for its slice only. With ``"gradients"`` each bucket
+is reduce-scattered (``_shard_reducer.py``): ``p.grad`` is None after
+backward and only the shards carry gradients. Either way the updated
+slices are all-gathered after each step. What each rank holds, the
+memory formula and the checkpoint layout: ``docs/sharding.md``.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .._errors import InvalidArgumentError
+from ._common import verify_same_structure
+from ._powersgd import is_powersgd
+from ._shard_plan import ShardPlan, check_elementwise
+from ._shard_reducer import ScatterReducer
+
+__all__ = ["SHARDS", "Sharding", "check_shard", "sharding_of", "whole_state"]
+
+SHARDS = ("optimizer", "gradients")
+_OWNER = WeakIdKeyDictionary()  # shard parameter -> weakref to its Sharding
+
+
+def sharding_of(optimizer: torch.optim.Optimizer) -> Sharding | None:
+    """The :class:`Sharding` whose slices ``optimizer`` updates, or None for an unsharded one."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _OWNER.get(p)
+            return None if ref is None else ref()
+    return None
+
+
+def check_shard(call: str, shard: Any, compression: Any, group: Any) -> None:
+    """InvalidArgumentError for an unknown ``shard`` or one that cannot combine with ``compression``;
+    then, collectively, CollectiveMismatchError unless every rank passed the same ``shard``."""
+    if shard is not None and shard not in SHARDS:
+        raise InvalidArgumentError(
+            f"phalanx.{call}(shard={shard!r}): use None (default: every rank keeps the whole training "
+            "state), 'optimizer' (each rank keeps the optimizer state of 1/N of the parameters: ZeRO "
+            "stage 1) or 'gradients' (also only 1/N of the reduced gradients: ZeRO stage 2).")
+    if shard is not None and is_powersgd(compression):
+        raise InvalidArgumentError(
+            f"phalanx.{call}(shard={shard!r}, compression=PowerSGD): PowerSGD reduces whole low-rank "
+            "factors, which do not split into shards. Use shard with compression='bf16', 'fp16' or None, "
+            "or PowerSGD with shard=None.")
+    verify_same_structure(call, [f"shard={shard!r}"], what="setting", group=group)
+
+
+class Sharding:
+    """This rank's part of the training state, for one engine (``engine.shard_plan`` is its plan)."""
+
+    def __init__(self, engine: Any, shard: str, call: str, group: Any) -> None:
+        self.shard = shard
+        self.call = call
+        self.plan = engine.shard_plan = ShardPlan(engine, call, group)
+        engine.shadows = list(self.plan.shards)  # nonfinite="skip" drops their gradients too
+        for piece in self.plan.shards:
+            _OWNER[piece] = weakref.ref(self)
+        if shard == "gradients":
+            engine.reducer = ScatterReducer(engine)
+        else:  # the shards' gradients are views of the reduced ones as soon as each bucket is reduced
+            engine.bucket_hooks.append(_view_grads)
+
+    @property
+    def shards(self) -> list[torch.nn.Parameter]:
+        return self.plan.shards
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        """Replace each parameter in ``optimizer``'s groups by this rank's slice of it, and cut any state
+        it already has to the slice."""
+        check_elementwise(self.call, optimizer, self.shard)
+        index = {id(p): i for i, p in enumerate(self.plan.params)}
+        for group in optimizer.param_groups:
+            slices = []
+            for p in group["params"]:
+                i = index.get(id(p))
+                if i is None:  # frozen: the engine does not reduce it, no rank updates it
+                    slices.append(p)
+                    continue
+                shard = self.plan.shards[i]
+                state = optimizer.state.pop(p, None)
+                if state:
+                    optimizer.state[shard] = {k: self.plan.slice_state(i, k, v) for k, v in state.items()}
+                slices.append(shard)
+            group["params"] = slices
+
+    def before_step(self) -> None:
+        """Stage 1: each shard's ``.grad`` is its slice of the parameter's reduced ``.grad`` (a view;
+        again here, in case ``p.grad`` was replaced since the reduction)."""
+        if self.shard == "optimizer":
+            _point(self.plan, range(len(self.plan.params)))
+
+    def updates(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` updates these slices."""
+        return sharding_of(optimizer) is self
+
+    def gather(self) -> None:
+        """Every rank's updated slices into every parameter (collective, after every update)."""
+        self.plan.gather()
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """The whole parameters' gradients too (the optimizer only sees the shards)."""
+        for p in self.plan.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    # -- gradients across shards --------------------------------------------------
+    @torch.no_grad()
+    def unscale(self, scale: torch.Tensor) -> None:
+        """Divide the gradients by a GradScaler's ``scale`` (stage 1: the whole ones every rank holds)."""
+        grads = ([s.grad for s in self.plan.shards] if self.shard == "gradients"
+                 else [p.grad for p in self.plan.params])
+        for g in grads:
+            if g is not None:
+                g.div_(scale.to(g.dtype))
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Scale the gradients so that their norm over all ranks' shards is at most ``max_norm``;
+        return that total norm (the same on every rank) as torch's ``clip_grad_norm_`` does."""
+        from .._collectives import allreduce
+
+        self.before_step()
+        grads = [s.grad for s in self.plan.shards if s.grad is not None]
+        device = grads[0].device if grads else self.plan.params[0].device
+        if math.isinf(norm_type):
+            local = max((g.abs().max() for g in grads if g.numel()), default=torch.zeros((), device=device))
+            total = allreduce(local.to(torch.float64), op="max", group=self.plan.group)
+        else:
+            local = sum((g.double().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64,
+                                                                                      device=device))
+            total = allreduce(local, op="sum", group=self.plan.group) ** (1.0 / norm_type)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        # stage 1: the shards' gradients are views of the whole ones, which every rank holds: scale those
+        targets = grads if self.shard == "gradients" else [p.grad for p in self.plan.params if p.grad is not None]
+        for g in targets:
+            g.mul_(coef.to(g.dtype))
+        return total.to(grads[0].dtype if grads else torch.float32)
+
+    # -- checkpoints: whole states in, whole states out -----------------------------
+    def state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer.state_dict()`` as the unsharded optimizer's would be (collective: every rank
+        gathers every per-element entry from every rank; the same dict on every rank)."""
+        sd = optimizer.state_dict()
+        order = self._order(optimizer)
+        state = {}
+        for j, i in enumerate(order):
+            entry = sd["state"].get(j)
+            if i is None:
+                if entry is not None:
+                    state[j] = entry
+                continue
+            if entry is not None:
+                state[j] = {k: self.plan.whole_state(i, k, v) for k, v in entry.items()}
+        return {"state": state, "param_groups": sd["param_groups"]}
+
+    def load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """Load a whole (unsharded) optimizer state: each rank keeps its slices of it."""
+        order = self._order(optimizer)
+        state = {}
+        for j, entry in state_dict.get("state", {}).items():
+            i = order[int(j)] if int(j) < len(order) else None
+            state[j] = entry if i is None else {k: self.plan.slice_state(i, k, v) for k, v in entry.items()}
+        optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
+
+    def _order(self, optimizer: torch.optim.Optimizer) -> list[int | None]:
+        """For each parameter of ``optimizer``'s groups, in state_dict order: its engine index (None
+        for a parameter the engine does not reduce)."""
+        index = {id(s): i for i, s in enumerate(self.plan.shards)}
+        return [index.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
+
+
+class _WholeState:
+    """A sharded optimizer seen through its whole state (what checkpoints save and load)."""
+
+    def __init__(self, sharding: Sharding, optimizer: torch.optim.Optimizer) -> None:
+        self.sharding, self.optimizer = sharding, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sharding.state_dict(self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.sharding.load_state_dict(self.optimizer, state_dict)
+
+
+def whole_state(optimizer: Any) -> Any:
+    """``optimizer`` itself, or, when it updates a :class:`Sharding`'s slices, an object whose
+    ``state_dict()``/``load_state_dict()`` are the whole (unsharded) state (collective)."""
+    sharding = None if optimizer is None else sharding_of(optimizer)
+    return optimizer if sharding is None else _WholeState(sharding, optimizer)
+
+
+def _view_grads(engine: Any, bucket: Any) -> None:
+    """Stage 1's bucket hook: the shards of a reduced bucket's parameters get views of its gradients."""
+    _point(engine.shard_plan, bucket.params)
+
+
+@torch.no_grad()
+def _point(plan: ShardPlan, indices: Any) -> None:
+    for i in indices:
+        g = plan.params[i].grad
+        a, b = plan.slices[i]
+        plan.shards[i].grad = None if g is None else g.reshape(-1)[a:b]
