@@ -33,10 +33,11 @@ from ._basics import _on_shutdown
 from ._compression import Compression, wire_compression
 from ._functions import group_of
 from ._ops import Adasum, Average, Sum
+from ._optimizer_args import CALL as _CALL
+from ._optimizer_args import check_groups, check_passes, names_of
 
 __all__ = ["DistributedOptimizer"]
 
-_CALL = "phalanx.horovod.torch.DistributedOptimizer"
 _live: weakref.WeakSet[Any] = weakref.WeakSet()  # Horovod optimizers whose engine hvd.shutdown() must close
 
 
@@ -155,7 +156,7 @@ class _HorovodOptimizer(torch.optim.Optimizer):
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Accumulate ``passes`` backward passes locally before reducing (as the constructor's argument)."""
-        self.backward_passes_per_step = _check_passes(passes)
+        self.backward_passes_per_step = check_passes(passes)
         if self._hvd_engine is not None:
             self._hvd_engine.passes_per_reduction = passes
 
@@ -296,65 +297,6 @@ def _adasum(tensors: list[torch.Tensor], process_set: Any) -> list[torch.Tensor]
     return list(grouped(tensors, op=Adasum, **kwargs))
 
 
-def _check_passes(passes: Any) -> int:
-    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-        raise InvalidArgumentError(f"{_CALL}(backward_passes_per_step={passes!r}): give the number of backward "
-                                   "passes per step as an int >= 1.")
-    return passes
-
-
-def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[int, str]:
-    """Horovod's checks of ``named_parameters``: (name, tensor) tuples, unique names, every parameter named."""
-    if named_parameters is None:
-        return {}
-    entries = list(named_parameters)
-    bad = next((e for e in entries if not isinstance(e, tuple) or len(e) != 2), None)
-    if bad is not None:
-        raise InvalidArgumentError(
-            f"{_CALL}(named_parameters=...): named_parameters should be a sequence of tuples (name, "
-            f"parameter), usually produced by model.named_parameters(); got an entry {type(bad).__name__}.")
-    seen: set[str] = set()
-    dups = sorted({n for n, _ in entries if n in seen or seen.add(n)})  # type: ignore[func-returns-value]
-    if dups:
-        raise InvalidArgumentError(f"{_CALL}(named_parameters=...): parameter names in named_parameters must "
-                                   f"be unique. Found duplicates: {', '.join(map(str, dups))}.")
-    names = {id(p): str(n) for n, p in entries}
-    unnamed = [f"param_groups[{g}]['params'][{k}] (shape {list(p.shape)})"
-               for g, group in enumerate(optimizer.param_groups)
-               for k, p in enumerate(group["params"]) if id(p) not in names]
-    if unnamed:
-        raise InvalidArgumentError(
-            f"{_CALL}(named_parameters=...): named_parameters was specified, but one or more model "
-            f"parameters were not named: {', '.join(unnamed[:5])}{' ...' if len(unnamed) > 5 else ''}. "
-            "Pass the named_parameters() of the model whose parameters the optimizer holds.")
-    return names
-
-
-def _check_groups(groups: Any, num_groups: Any) -> Any:
-    if num_groups:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
-                      DeprecationWarning, stacklevel=3)
-        if groups is None:
-            groups = num_groups
-    if groups is None:
-        return None
-    if isinstance(groups, list):
-        seen: set[int] = set()
-        for group in groups:
-            for p in group:
-                if not isinstance(p, torch.Tensor):
-                    raise InvalidArgumentError(f"{_CALL}(groups=...): groups must consist of torch.Tensor; "
-                                               f"got a {type(p).__name__}.")
-                if id(p) in seen:
-                    raise InvalidArgumentError(f"{_CALL}(groups=...): a parameter can only appear once in groups.")
-                seen.add(id(p))
-        return groups
-    if isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
-        raise InvalidArgumentError(f"{_CALL}(groups={groups!r}): groups should be a non-negative integer or "
-                                   "a list of list of torch.Tensor.")
-    return groups
-
-
 def _subclass(base: type, adasum: bool) -> type[_HorovodOptimizer]:
     made = _CLASSES.setdefault(base, {})
     if adasum not in made:
@@ -407,9 +349,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         raise InvalidArgumentError(f"{_CALL}(op={op!r}): gradients are combined with hvd.Average (default), "
                                    "hvd.Sum or hvd.Adasum.")
     wire_compression("DistributedOptimizer", compression)
-    passes = _check_passes(backward_passes_per_step)
-    groups = _check_groups(groups, num_groups)
-    names = _names(optimizer, named_parameters)
+    passes = check_passes(backward_passes_per_step)
+    groups = check_groups(groups, num_groups)
+    names = names_of(optimizer, named_parameters)
     group = group_of(process_set)
     size = phalanx.size() if group is None else int(group.size)
     cls = _subclass(type(optimizer), op == Adasum and size > 1)
