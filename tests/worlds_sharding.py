@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import re
 from typing import Any
 
 import phalanx
 from behaviours import Behaviours
 from helpers import raises
-from worlds_training import COMPRESSED, MODELS, _setup, assert_close, batch, mlp, mse, piece
+from worlds_training import COMPRESSED, MODELS, _setup, assert_close, batch, mlp, mse, piece, poisoned_losses
 
 SHARDING = Behaviours()      # every world
 SHARDING_ACROSS = Behaviours()  # worlds of 2 or more ranks
@@ -213,10 +212,7 @@ def grad_scaler() -> None:
         for step in range(STEPS):
             opt.zero_grad()
             ref_opt.zero_grad()
-            x, y = batch(torch, step, (6,), n)
-            poison = [math.inf if step == skipped and q == n - 1 else 1.0 for q in range(n)]
-            loss = mse(torch, model(piece(x, r)), piece(y, r)) * poison[r]
-            ref_loss = sum(mse(torch, ref(piece(x, q)), piece(y, q)) * poison[q] for q in range(n)) / n
+            loss, ref_loss = poisoned_losses(torch, model, ref, step, skipped, r, n)
             scalers[0].scale(loss).backward()
             scalers[1].scale(ref_loss).backward()
             if step % 2:  # the explicit form: unscale, clip, step
@@ -235,6 +231,7 @@ def grad_scaler() -> None:
             continue  # one rank shards nothing: torch's GradScaler is right there
         plain = torch.amp.GradScaler("cpu")
         opt.zero_grad()
+        x, y = batch(torch, 0, (6,), n)
         plain.scale(mse(torch, model(piece(x, r)), piece(y, r))).backward()
         refused(phalanx.UsageError, lambda o=opt, s=plain: s.step(o), "ShardedGradScaler")
 

@@ -229,6 +229,16 @@ TRAINING.add("unused-frozen-parameters-and-a-rank-without-backward-DistributedOp
 TRAINING.add("unused-frozen-parameters-and-a-rank-without-backward-DataParallel", unused_and_frozen, "dp")
 
 
+def poisoned_losses(torch: Any, model: Any, ref: Any, step: int, skipped: int, r: int, n: int) -> tuple[Any, Any]:
+    """This rank's loss and the 1-process reference's on the global batch of ``step``; at ``skipped``
+    the last rank's loss (and its share of the reference's) is multiplied by inf."""
+    x, y = batch(torch, step, (6,), n)
+    poison = [math.inf if step == skipped and q == n - 1 else 1.0 for q in range(n)]
+    loss = mse(torch, model(piece(x, r)), piece(y, r)) * poison[r]
+    ref_loss = sum(mse(torch, ref(piece(x, q)), piece(y, q)) * poison[q] for q in range(n)) / n
+    return loss, ref_loss
+
+
 @TRAINING.behaviour("grad-scaler-sees-reduced-gradients-and-skips-an-inf-step-on-every-rank")
 def grad_scaler() -> None:
     """GradScaler: unscale_ sees reduced gradients, and an inf on one rank skips the step everywhere."""
@@ -241,10 +251,7 @@ def grad_scaler() -> None:
     for step in range(STEPS):
         opt.zero_grad()
         ref_opt.zero_grad()
-        x, y = batch(torch, step, (6,), n)
-        poison = [math.inf if step == skipped and q == n - 1 else 1.0 for q in range(n)]
-        loss = mse(torch, model(piece(x, r)), piece(y, r)) * poison[r]
-        ref_loss = sum(mse(torch, ref(piece(x, q)), piece(y, q)) * poison[q] for q in range(n)) / n
+        loss, ref_loss = poisoned_losses(torch, model, ref, step, skipped, r, n)
         scalers[0].scale(loss).backward()
         scalers[1].scale(ref_loss).backward()
         if step % 2:  # the explicit form: reduce, unscale, clip, step

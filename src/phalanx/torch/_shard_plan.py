@@ -4,7 +4,7 @@
 
     plan = ShardPlan(engine, call, group)        # after the engine laid out its buckets
     plan.shards[i]                           # parameter i's slice on this rank: a Parameter sharing its memory
-    plan.chunk(b)                            # (k, lo, hi): bucket b's chunk length and this rank's [lo, hi)
+    plan.positions[i]                        # where that slice starts in this rank's chunk of its bucket
     plan.gather()                            # after the update: every rank's slices into every parameter
 
 Each bucket's gradients (``n`` elements, in the engine's layout) split into
@@ -81,26 +81,19 @@ class ShardPlan:
                 a, b = min(max(lo - off, 0), m), min(max(hi - off, 0), m)
                 self.slices[i] = (a, max(a, b))
                 self.offsets[i] = off
+        # where each parameter's slice starts in this rank's chunk of its bucket
+        self.positions = [self.offsets[i] + self.slices[i][0] - self._chunks[self.bucket_of[i]][1]
+                          for i in range(len(engine.params))]
         self.shards = [self._shard(p, i) for i, p in enumerate(engine.params)]
 
     def _shard(self, p: torch.Tensor, i: int) -> torch.nn.Parameter:
         if not p.is_contiguous():
-            name = f"#{i}"
             raise InvalidArgumentError(
-                f"phalanx.{self.call}: parameter {name} (shape {list(p.shape)}) is not contiguous, so its "
+                f"phalanx.{self.call}: parameter #{i} (shape {list(p.shape)}) is not contiguous, so its "
                 "slice cannot share its memory. Make it contiguous before wrapping (e.g. "
                 "`p.data = p.data.contiguous()`), or use shard=None.")
         a, b = self.slices[i]
         return torch.nn.Parameter(p.detach().view(-1)[a:b], requires_grad=p.requires_grad)
-
-    def chunk(self, b: int) -> tuple[int, int, int]:
-        """Bucket ``b``'s chunk length ``k`` and this rank's part ``[lo, hi)`` of its gradients."""
-        return self._chunks[b]
-
-    def position(self, i: int) -> int:
-        """Where parameter ``i``'s slice starts in this rank's chunk of its bucket."""
-        b = self.bucket_of[i]
-        return self.offsets[i] + self.slices[i][0] - self._chunks[b][1]
 
     # -- after the update: every rank's slices everywhere -------------------------
     @torch.no_grad()
@@ -111,31 +104,39 @@ class ShardPlan:
         if self.size == 1:
             return
         world, size = self.world, self.size
-        flight: deque[tuple[int, int, int, Any, torch.Tensor]] = deque()
+        flight: deque[tuple[int, int, int, Any, tuple[torch.Tensor, torch.Tensor]]] = deque()
+        free: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for b, bucket in enumerate(self.buckets):
             k, lo, hi = self._chunks[b]
             step = max(1, PIECE_BYTES // bucket.flat.element_size())
+            pool = free.setdefault((bucket.flat.dtype, bucket.flat.device), [])
             for j in range(0, k, step):
                 length = min(step, k - j)
-                send = torch.zeros(length, dtype=bucket.flat.dtype, device=bucket.flat.device)
+                slot = pool.pop() if pool else (bucket.flat.new_empty(step), bucket.flat.new_empty(step * size))
+                send, out = slot[0][:length], slot[1][:length * size]  # past hi: padding nobody reads
                 self._copy(b, lo + j, min(lo + j + length, hi), send, into_params=False)
-                out = torch.empty(length * size, dtype=send.dtype, device=send.device)
                 request = backend_call(world, self.call, world.backend.iallgather_into, send, out)
-                flight.append((b, j, length, request, out))
+                flight.append((b, j, length, request, slot))
                 if len(flight) >= WINDOW:
-                    self._unpack(*flight.popleft())
+                    done = self._unpack(*flight.popleft())
+                    free[(done[0].dtype, done[0].device)].append(done)
         while flight:
             self._unpack(*flight.popleft())
 
-    def _unpack(self, b: int, j: int, length: int, request: Any, out: torch.Tensor) -> None:
+    def _unpack(self, b: int, j: int, length: int, request: Any,
+                slot: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wait for piece ``j`` of bucket ``b`` and copy every rank's part into the parameters; return
+        its buffers for the next piece."""
         world = self.world
         backend_call(world, self.call, request.wait, world.timeout)
+        out = slot[1][:length * self.size]
         k, n = self._chunks[b][0], self.buckets[b].grads.numel()
         for r in range(self.size):
             start = r * k + j
             stop = min(start + length, (r + 1) * k, n)
             if stop > start:
                 self._copy(b, start, stop, out[r * length:r * length + stop - start], into_params=True)
+        return slot
 
     def _copy(self, b: int, start: int, stop: int, buf: torch.Tensor, into_params: bool) -> None:
         """Between ``buf`` and the parameters' elements at bucket ``b``'s positions ``[start, stop)``."""

@@ -136,5 +136,5 @@ def _point_grads(engine: Any, bucket: Bucket) -> None:
     for j, i in enumerate(bucket.params):
         engine.params[i].grad = None
         a, b = plan.slices[i]
-        at = plan.position(i)
+        at = plan.positions[i]
         plan.shards[i].grad = (chunk[at:at + b - a] if b > a else chunk[:0]) if seen[j] > 0 else None
