@@ -104,6 +104,7 @@ class SimulatedHosts:
         self._dir = ""
         self._holders: list[subprocess.Popen[bytes]] = []
         self._inodes: list[int] = []
+        self._started: list[subprocess.Popen[Any]] = []  # popen()'s processes, killed on close even mid-nsenter
         self._state = "new"
 
     def __len__(self) -> int:
@@ -214,6 +215,9 @@ class SimulatedHosts:
             return
         self._state = "closed"
         try:
+            for proc in self._started:  # one still inside nsenter is in no host's namespaces yet
+                if proc.poll() is None:
+                    proc.kill()
             left = stop_all([inode for inode in self._inodes if inode])
             for holder in self._holders:
                 try:
@@ -251,10 +255,13 @@ class SimulatedHosts:
         """Start ``argv`` on host ``i`` and return at once, as ``subprocess.Popen(argv, **kw)`` does.
 
         ``i``: the host; ``argv``: the command (a string with ``shell=True``); ``kw``: Popen's keywords
-        (``cwd`` and ``env`` apply on the host, which adds its ``TMPDIR``). Raises
-        ``InvalidArgumentError`` for a bad ``i``.
+        (``cwd`` and ``env`` apply on the host, which adds its ``TMPDIR``). The process is killed
+        (SIGKILL) when the hosts close, if it is still running. Raises ``InvalidArgumentError`` for a
+        bad ``i``.
         """
-        return subprocess.Popen(self._enter(i, argv, kw), **kw)
+        proc = subprocess.Popen(self._enter(i, argv, kw), **kw)
+        self._started = [p for p in self._started if p.returncode is None] + [proc]
+        return proc
 
     def _enter(self, i: int, argv: str | Sequence[str], kw: dict[str, Any]) -> list[str]:
         i = self._index(i, "run")
