@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # _current holds which world is this process's, below _world so that the trace recorder (which the
     # world calls) can read it for start_trace.
     ("world/collectives", ("phalanx._current", "phalanx._trace",
-                           "phalanx._world", "phalanx._collectives", "phalanx._shards", "phalanx._nonblocking", "phalanx._agreement", "phalanx._failure",
+                           "phalanx._world", "phalanx._collectives", "phalanx._objects", "phalanx._shards", "phalanx._nonblocking", "phalanx._agreement", "phalanx._failure",
                            "phalanx._output", "phalanx._groups", "phalanx._shutdown")),
     # `phalanx` itself re-exports these and the layers below.
     ("sync/data/tree/gradients", ("phalanx", "phalanx._sync", "phalanx._data", "phalanx._tree",

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 from ._collectives import (
     allgather,
-    allgather_object,
     allreduce,
     alltoall,
     barrier,
     broadcast,
-    broadcast_object,
     gather,
     reduce,
     reduce_scatter,
@@ -54,6 +52,7 @@ from ._errors import (
 from ._gradients import allreduce_gradients
 from ._groups import Group, destroy_group, new_group, world_group
 from ._nonblocking import Handle, iallreduce, ibroadcast
+from ._objects import allgather_object, broadcast_object
 from ._output import RankFilter, print, setup_logging
 from ._settings import settings
 from ._shutdown import shutdown

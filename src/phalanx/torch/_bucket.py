@@ -40,35 +40,21 @@ from torch.autograd import Variable
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _trace
-from .._errors import InvalidArgumentError, UsageError
-from .._gradients import check_gradient_op
+from .._errors import UsageError
 from .._groups import world_for
 from ._bucket_hot import Bucket as _Bucket
 from ._bucket_hot import adopt_scaled, scale_unscaled
 from ._bucket_layout import lay_out
-from ._common import Compression, GradientOp, verify_same_structure
+from ._common import Compression, GradientOp, check_options, verify_same_structure, wire_dtype
 from ._ddp import refuse_ddp
 from ._engine_hooks import BucketHook, EngineHook, Reducer, reducer_for, reduces_nothing
 from ._finite import NonFinitePolicy, any_set, check_and_scale, nonfinite_error, ranks_with
-from ._powersgd import is_powersgd
 
-__all__ = ["GradientBuckets", "check_options"]
+__all__ = ["GradientBuckets"]
 
 FIRST_BUCKET_MB = 1.0
-_COMPRESSION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # parameter -> the engine reducing it (by identity: a Tensor's == is elementwise)
 _OWNER = WeakIdKeyDictionary()
-
-
-def check_options(call: str, op: Any, bucket_cap_mb: Any, compression: Any) -> None:
-    """Raise InvalidArgumentError naming ``call`` for an op, bucket size or compression it cannot use."""
-    check_gradient_op(call, op)
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-        raise InvalidArgumentError(f"phalanx.{call}(bucket_cap_mb={bucket_cap_mb!r}): give the bucket size "
-                                   "in MB as a positive number (default 25).")
-    if compression is not None and not is_powersgd(compression) and compression not in _COMPRESSION:
-        raise InvalidArgumentError(f"phalanx.{call}(compression={compression!r}): use None (full precision), "
-                                   "'bf16', 'fp16', 'powersgd' or phalanx.torch.PowerSGD(rank=...).")
 
 
 class GradientBuckets:
@@ -108,7 +94,7 @@ class GradientBuckets:
         self.prescale = float(prescale) if prescale is not None else 1.0 / world.size if op == "avg" else 1.0
         self.sync = True
         self.passes_per_reduction = passes_per_reduction
-        self._build(bucket_cap_mb, _COMPRESSION.get(compression) if isinstance(compression, str) else None, pad)
+        self._build(bucket_cap_mb, wire_dtype(compression), pad)
         count = len(self.params)
         self._stamp = [-1] * count  # the cycle in which each parameter was marked ready
         self._scaled = [-1] * count  # the cycle in which _adopt wrote its gradient already scaled

@@ -1,4 +1,4 @@
-"""What the torch wrappers share: the wrap-time structure check and direct backend calls.
+"""What the torch wrappers share: their option checks, the wrap-time structure check and direct backend calls.
 
 ::
 
@@ -16,12 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
+import torch
+
 from .._agreement import agree, first_difference
-from .._errors import CollectiveMismatchError
+from .._errors import CollectiveMismatchError, InvalidArgumentError
+from .._gradients import check_gradient_op
 from .._groups import world_for
 from .._world import World
 from ..comm import GradientOp
-from ._powersgd import PowerSGD
+from ._powersgd import PowerSGD, is_powersgd
 
 __all__ = ["Compression", "GradientOp", "backend_call", "verify_same_structure"]
 
@@ -62,3 +65,22 @@ def backend_call(world: World, call: str, fn: Callable[..., Any], *args: Any) ->
     world.ready(call)
     with world.guard(call):
         return fn(*args)
+
+
+_WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_options(call: str, op: Any, bucket_cap_mb: Any, compression: Any) -> None:
+    """Raise InvalidArgumentError naming ``call`` for an op, bucket size or compression it cannot use."""
+    check_gradient_op(call, op)
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise InvalidArgumentError(f"phalanx.{call}(bucket_cap_mb={bucket_cap_mb!r}): give the bucket size "
+                                   "in MB as a positive number (default 25).")
+    if compression is not None and not is_powersgd(compression) and compression not in _WIRE:
+        raise InvalidArgumentError(f"phalanx.{call}(compression={compression!r}): use None (full precision), "
+                                   "'bf16', 'fp16', 'powersgd' or phalanx.torch.PowerSGD(rank=...).")
+
+
+def wire_dtype(compression: Any) -> torch.dtype | None:
+    """The dtype a ``"bf16"``/``"fp16"`` compression sends gradients in; None for the others."""
+    return _WIRE.get(compression) if isinstance(compression, str) else None

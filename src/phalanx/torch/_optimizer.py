@@ -25,8 +25,8 @@ import torch
 from .._errors import InvalidArgumentError, UsageError
 from .._groups import Group, world_for
 from .._sync import synchronize
-from ._bucket import GradientBuckets, check_options
-from ._common import Compression, GradientOp
+from ._bucket import GradientBuckets
+from ._common import Compression, GradientOp, check_options
 from ._engine_owner import EngineOwner
 from ._finite import NonFinitePolicy, check_policy
 from ._shard_plan import check_elementwise
@@ -315,24 +315,10 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
         return result
 
     def _scaler_found_inf(self) -> bool:
-        """Sharded, under a GradScaler (it set ``found_inf``): whether any rank's gradients were not
-        finite, as :class:`ShardedGradScaler` agreed; torch's own GradScaler checks only this rank's
-        slices, so its verdict would differ between ranks: an error, on every rank alike."""
-        found = getattr(self, "found_inf", None)
-        if found is None:
-            return False
-        if not getattr(self, "_inf_agreed", False):
-            raise UsageError(
-                f"phalanx.{_CALL}(shard={self._shard!r}) under torch's GradScaler: its inf/NaN check sees "
-                "only this rank's slice of the gradients, so the ranks could disagree on skipping a step. "
-                "Use `phalanx.torch.ShardedGradScaler()` (the same API; it agrees across ranks).")
-        self._inf_agreed = False
-        if torch.as_tensor(found).item() > 0:
-            return True
-        scale = getattr(self, "grad_scale", None)  # set when the gradients are still scaled
-        if scale is not None:
-            self._sharding.unscale(scale)  # type: ignore[union-attr]
-        return False
+        """Sharded, under a GradScaler (it set ``found_inf``): whether every rank skips this step."""
+        found, sharding = getattr(self, "found_inf", None), self._sharding
+        return (found is not None and sharding is not None
+                and sharding.scaler_found_inf(found, getattr(self, "grad_scale", None)))
 
     def _needs_reduction(self) -> bool:
         # Reduced by backward since the last step, and no local-only pass since: nothing to do.

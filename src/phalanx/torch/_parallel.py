@@ -24,8 +24,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .._groups import Group, world_for
 from .._sync import synchronize
-from ._bucket import GradientBuckets, check_options
-from ._common import Compression, GradientOp, backend_call
+from ._bucket import GradientBuckets
+from ._common import Compression, GradientOp, backend_call, check_options
 from ._engine_owner import EngineOwner
 from ._finite import NonFinitePolicy, check_policy
 from ._shard_plan import check_elementwise

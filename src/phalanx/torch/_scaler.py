@@ -55,5 +55,5 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 found[found_inf.device] = found_inf
             for flag in found.values():
                 flag.fill_(agreed)
-            optimizer._inf_agreed = True  # type: ignore[attr-defined]
+            sharding.inf_agreed = True
         return found

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._errors import InvalidArgumentError
+from .._errors import InvalidArgumentError, UsageError
 from ._common import verify_same_structure
 from ._powersgd import is_powersgd
 from ._shard_plan import ShardPlan, check_elementwise
@@ -71,6 +71,7 @@ class Sharding:
     def __init__(self, engine: Any, shard: str, call: str, group: Any) -> None:
         self.shard = shard
         self.call = call
+        self.inf_agreed = False  # set by ShardedGradScaler's agreed inf check, taken by the next step
         self.plan = engine.shard_plan = ShardPlan(engine, call, group)
         engine.shadows = list(self.plan.shards)  # nonfinite="skip" drops their gradients too
         for piece in self.plan.shards:
@@ -127,6 +128,23 @@ class Sharding:
                     p.grad.detach_().zero_()
 
     # -- gradients across shards --------------------------------------------------
+    def scaler_found_inf(self, found: Any, scale: torch.Tensor | None) -> bool:
+        """Whether a GradScaler's step must be skipped (``found``: its ``found_inf``), as
+        :class:`ShardedGradScaler` agreed across ranks; unscales the gradients (``scale``: the scale they
+        still carry, or None) when it is not. torch's own GradScaler checks only this rank's slices, so
+        its verdict could differ between ranks: a UsageError, on every rank alike."""
+        if not self.inf_agreed:
+            raise UsageError(
+                f"phalanx.{self.call}(shard={self.shard!r}) under torch's GradScaler: its inf/NaN check sees "
+                "only this rank's slice of the gradients, so the ranks could disagree on skipping a step. "
+                "Use `phalanx.torch.ShardedGradScaler()` (the same API; it agrees across ranks).")
+        self.inf_agreed = False
+        if torch.as_tensor(found).item() > 0:
+            return True
+        if scale is not None:
+            self.unscale(scale)
+        return False
+
     @torch.no_grad()
     def unscale(self, scale: torch.Tensor) -> None:
         """Divide the gradients by a GradScaler's ``scale`` (stage 1: the whole ones every rank holds)."""
