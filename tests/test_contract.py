@@ -21,12 +21,7 @@ SRC = Path(phalanx.__file__).parent
 BANNED = {"ValueError", "TypeError", "RuntimeError", "KeyError", "PhalanxError"}
 
 # Raises of banned exceptions that never reach a user, each with why. Keyed by (path, exception).
-ALLOWED_RAISES: dict[tuple[str, str], str] = {
-    ("train/_rng.py", "TypeError"): "_parse's flaws are caught by restore_rng and raised as CheckpointError",
-    ("train/_rng.py", "ValueError"): "_parse's flaws are caught by restore_rng and raised as CheckpointError",
-    ("train/_loggers.py", "TypeError"): "_check_step catches it at once and raises InvalidArgumentError",
-    ("train/_signals.py", "TypeError"): "caught at once by the same try, which raises a phalanx error",
-}
+ALLOWED_RAISES: dict[tuple[str, str], str] = {}
 
 # Exception classes defined outside _errors.py: internal signals that never reach a user.
 ALLOWED_CLASSES = {

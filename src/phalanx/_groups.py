@@ -94,7 +94,7 @@ class GroupWorld(World):
     def mark_broken(self, why: str) -> None:
         super().mark_broken(why)
         if self.parent.broken is None:  # the job ends as for any failure: the abort hook reads this
-            self.parent.broken = f"{why} in {self._label()}"
+            self.parent.mark_broken(f"{why} in {self._label()}")
 
     def timed_out(self, call: str) -> CollectiveTimeoutError:
         """Diagnose which members are missing (bounded), break the group and the world, build the error."""
@@ -155,7 +155,7 @@ def _resolve(group: Any, call: str) -> World:
             f"collectives. Call it only on members, e.g. `if group.member: phalanx.{call}(..., "
             "group=group)`.")
     if world.broken is None:  # the parent is broken: so is every group of it
-        world.broken = f"the world is unusable ({group._parent.broken})"
+        world.mark_broken(f"the world is unusable ({group._parent.broken})")
     return world
 
 

@@ -39,7 +39,8 @@ def shutdown() -> None:
             if entries is not None:
                 _warn_left_behind(world, entries)
     except PhalanxError as exc:  # the peers failed or never came: leave anyway, quickly
-        world.broken = world.broken or f"shutdown failed: {type(exc).__name__}"
+        if world.broken is None:
+            world.mark_broken(f"shutdown failed: {type(exc).__name__}")
     finally:
         world.release()
 
@@ -70,7 +71,7 @@ def _leave(world: World) -> list[dict[str, Any]] | None:
 
 def _warn_left_behind(world: World, entries: list[dict[str, Any]]) -> None:
     others = {r: where(e) for r, e in enumerate(entries) if e["call"] != "shutdown"}
-    world.broken = "shut down while peers were in a collective"
+    world.mark_broken("shut down while peers were in a collective")
     warnings.warn(f"phalanx.shutdown() on rank {world.rank}: other ranks were still in a collective "
                   f"({', '.join(f'rank {r}: {p}' for r, p in others.items())}); they raise "
                   "RankFailedError. Every rank must make the same collective calls before shutdown().",

@@ -30,7 +30,7 @@ gradient is never handed back to the caller; the two values differ in name only.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -215,7 +215,7 @@ class _Sharded:
         layout = self.need(params, call)
         template, treedef = jax.tree_util.tree_flatten(self._slice_template(layout))
         try:
-            parts = treedef.flatten_up_to(full)  # type: ignore[attr-defined]
+            parts = cast(Any, treedef).flatten_up_to(full)  # a PyTreeDef method its stubs omit
         except (ValueError, TypeError) as exc:
             raise InvalidArgumentError(
                 f"{call}: the state is not the unsharded state of this transformation ({exc}). Pass the "
