@@ -58,6 +58,9 @@ MORE_VARIANTS = [
     Variant("mpi/DistributedOptimizer+fp16", "mpi", "phalanx DistributedOptimizer, mpi, fp16"),
     Variant("mpi/DistributedOptimizer+powersgd", "mpi", "phalanx DistributedOptimizer, mpi, PowerSGD"),
     Variant("mpi/hvd", "mpi", "Horovod API (phalanx.horovod.torch), mpi"),
+    # DataParallel's per-step agreement (check_steps, on by default) turned off: its cost by difference
+    Variant("mpi/DataParallel+nocheck", "mpi", "phalanx DataParallel, mpi, check_steps=False"),
+    Variant("gloo/DataParallel+nocheck", "gloo", "phalanx DataParallel, gloo, check_steps=False"),
     Variant("gloo/DistributedOptimizer+fp16", "gloo", "phalanx DistributedOptimizer, gloo, fp16"),
     Variant("gloo/DistributedOptimizer+powersgd", "gloo", "phalanx DistributedOptimizer, gloo, PowerSGD"),
     Variant("gloo/hvd", "gloo", "Horovod API (phalanx.horovod.torch), gloo"),
@@ -132,7 +135,10 @@ def make_step(key: str, model_name: str, width: int, x: Any, y: Any) -> tuple[Ca
     if kind == "DistributedOptimizer":
         opt = _phalanx_optimizer(pt, torch.optim.SGD(model.parameters(), lr=1e-3), compression or None)
     elif kind == "DataParallel":
-        model = pt.DataParallel(model, compression=compression or None)
+        if compression == "nocheck":
+            model = pt.DataParallel(model, check_steps=False)
+        else:
+            model = pt.DataParallel(model, compression=compression or None)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     elif kind == "DDP":
         model = torch.nn.parallel.DistributedDataParallel(model)
