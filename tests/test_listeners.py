@@ -4,13 +4,15 @@ While a 3-rank world is running (`phalanx run`, mpi and gloo), every process
 of the job is listed with its listening TCP sockets and unconnected UDP
 sockets (psutil). Every socket a rank opened itself must be bound to
 127.0.0.1 or ::1: the gloo store and gloo's pairs, MPI's transports (UCX,
-libfabric, Open MPI's TCP). mpiexec's own control port binds every
-interface and cannot be told otherwise (MPICH's Hydra: `-iface lo` and
-`-localhost 127.0.0.1` only change the address its proxies connect to;
-Open MPI 5's PRRTE refuses a loopback-only out-of-band channel). Hydra's
-socket is inherited by the proxy and the ranks, so a socket mpiexec holds
-too is recognised as its own; those are reported, not asserted (see
-docs/design.md, "The launcher").
+libfabric, Open MPI's TCP). Under MPICH the launcher starts the ranks with
+`mpiexec.gforker`, which talks to them over socketpairs: nothing of the job
+listens beyond loopback, mpiexec included. Hydra's control port (the
+fallback where there is no forker) and Open MPI 5's `prterun` bind every
+interface and cannot be told otherwise (Hydra: `-iface lo` and `-localhost
+127.0.0.1` only change the address its proxies connect to; PRRTE refuses a
+loopback-only out-of-band channel); a socket mpiexec holds too is
+recognised as its own (Hydra's is inherited by the ranks), and those are
+reported, not asserted (see docs/design.md, "The launcher").
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import psutil
 import pytest
 
 from conftest import AVAILABLE
+from phalanx.launch._mpi_flavor import Flavor, find_mpiexec, mpiexec_flavor, single_host_forker
 
 LOOPBACK = {"127.0.0.1", "::1"}
 RANKS = 3
@@ -87,6 +90,12 @@ def job_listeners(tmp_path: Path, backend: str) -> tuple[dict[int, set], dict[st
     return ranks, others, own
 
 
+def _forker() -> str | None:
+    """The MPICH forker the launcher starts a one-host mpi job with, if this MPI has one."""
+    mpiexec = find_mpiexec()
+    return single_host_forker(mpiexec, mpiexec_flavor(mpiexec)) if mpiexec else None
+
+
 @pytest.mark.parametrize("backend", [pytest.param(b, marks=[] if b in AVAILABLE else pytest.mark.skip(
     reason=f"no {b} backend here")) for b in ("mpi", "gloo")])
 def test_a_single_host_job_listens_on_loopback_only(tmp_path: Path, backend: str) -> None:
@@ -100,4 +109,19 @@ def test_a_single_host_job_listens_on_loopback_only(tmp_path: Path, backend: str
     if backend == "gloo":  # no process between the launcher and the ranks
         assert not others, others
     outside = {name: sorted(s for s in sockets if s[0] not in LOOPBACK) for name, sockets in others.items()}
+    if backend == "mpi" and _forker() is not None:  # MPICH: mpiexec.gforker, no control port at all
+        exposed = {rank: sorted(s for s in sockets if s[0] not in LOOPBACK) for rank, sockets in ranks.items()}
+        assert not any(exposed.values()) and not any(outside.values()), f"beyond loopback: {exposed} {outside}"
+        assert any(name.startswith("mpiexec.gfork") for name in others), others
     print(f"mpiexec's own listeners beyond loopback (not confinable): {outside}")
+
+
+def test_the_forker_is_mpichs_beside_mpiexec_and_none_elsewhere(tmp_path: Path) -> None:
+    (tmp_path / "mpiexec").touch(mode=0o755)
+    hydra = Flavor("mpich", (5, 0, 2), "Hydra 5.0.2 (MPICH)")
+    assert single_host_forker(str(tmp_path / "mpiexec"), hydra) is None  # no forker there: Hydra, as before
+    (tmp_path / "mpiexec.gforker").touch(mode=0o755)
+    assert single_host_forker(str(tmp_path / "mpiexec"), hydra) == str(tmp_path / "mpiexec.gforker")
+    for other in (Flavor("mpich", (2021, 10), "Intel(R) MPI Library for Linux* OS, Version 2021.10"),
+                  Flavor("openmpi", (5, 0, 7), "mpiexec (Open MPI) 5.0.7")):
+        assert single_host_forker(str(tmp_path / "mpiexec"), other) is None

@@ -1,4 +1,4 @@
-"""A rank's keeper: the process MPICH's Hydra starts, which runs the rank as its child.
+"""A rank's keeper: the process MPICH's mpiexec starts, which runs the rank as its child.
 
 Hydra kills every rank with SIGKILL the moment one of them dies *by a signal*, even under
 ``-disable-auto-cleanup`` (which spares them only when a rank exits with a status): its
@@ -19,6 +19,14 @@ The keeper also knows the MPICH shared-memory files (``/dev/shm/mpich_shm_*``) i
 (listed in the rank's ``ready-rank<r>`` marker once ``MPI_Init`` made them); when the rank ends abnormally (never reaching ``MPI_Finalize``,
 which unlinks them), it unlinks those, so a failed job leaves nothing behind in ``/dev/shm``
 and other jobs' segments are never touched.
+
+Under ``mpiexec.gforker`` (every rank here: :func:`._mpi_flavor.single_host_forker`) the keeper
+is what makes the forker usable: the forker reports a rank killed by a signal as exit status 0
+and interrupts the others, and it signals every rank after any abnormal end; with keepers it
+sees no signal, and its own reach only the keepers, which ignore them. The forker also copies its ranks' output
+to its own one byte per ``write``, so lines of different ranks could splice: the launcher
+passes its own pipes (``STDIO_ENV``) and each rank writes to them directly, whole lines as it
+writes them; rank 0 reads the launcher's stdin, as under Hydra.
 """
 
 from __future__ import annotations
@@ -30,10 +38,11 @@ import time
 from .._files import write_atomically
 from ._procs import child_setup
 
-__all__ = ["ENV", "keep", "remove_segments"]
+__all__ = ["ENV", "STDIO_ENV", "keep", "remove_segments"]
 
 SHM_PREFIX = "/dev/shm/mpich_shm_"  # MPICH's shared-memory segments: unlinked at MPI_Finalize only
-ENV = "PHALANX_RANK_KEEPER"  # set by the launcher where it stops the ranks itself (single-host Hydra)
+ENV = "PHALANX_RANK_KEEPER"  # set by the launcher where it stops the ranks itself (single-host MPICH)
+STDIO_ENV = "PHALANX_RANK_STDIO"  # "IN,OUT,ERR": the launcher's descriptors, passed through mpiexec.gforker
 # What reaches the keeper through the rank's process group (Hydra's SIGUSR1 failure notice, its
 # SIGINT/SIGTERM forwarding): the child gets the same signal and decides; the keeper outlives it.
 _IGNORED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
@@ -42,6 +51,7 @@ _IGNORED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT, signal.SIGTERM, signa
 
 def keep(job_dir: str, rank: int) -> None:
     """Fork; return in the child (the rank). The parent waits for it and exits with its status."""
+    _adopt_stdio(rank)
     die_with_keeper = child_setup()
     child = os.fork()
     if child == 0:
@@ -73,6 +83,18 @@ def keep(job_dir: str, rank: int) -> None:
     os._exit(128 - status if status < 0 else status)
 
 
+def _adopt_stdio(rank: int) -> None:
+    """Write to the launcher's pipes (and rank 0 read its stdin) instead of the forker's."""
+    fds = [int(fd) for fd in os.environ.pop(STDIO_ENV, "").split(",") if fd.isdigit()]
+    if len(fds) != 3:
+        return
+    for fd, target in zip(fds, (0, 1, 2), strict=True):  # the launcher numbers them past 2
+        try:
+            if target or rank == 0:
+                os.dup2(fd, target)
+            os.close(fd)
+        except OSError:
+            pass  # not passed on after all: the forker's pipe stays
 
 
 def _wait(child: int) -> int:

@@ -185,16 +185,23 @@ class RecordSink:
     """Where mpiexec's stderr goes: the console, except the job-directory files of ranks on other
     hosts (``JOB_FILE_MARK`` lines from :func:`phalanx._failure.send_job_file`: their pid and host,
     their failure record), which it writes into the job directory as if those ranks had, so the
-    launcher treats them like local ones."""
+    launcher treats them like local ones.
+
+    It also notes the first rank that called ``MPI_Abort`` (MPICH's own line, written by that rank:
+    "application called MPI_Abort(MPI_COMM_WORLD, 7) - process 1"), as :attr:`aborted`: ``(rank,
+    code)``. Hydra kills every rank at once then, and the forker leaves it to the launcher: either
+    way the order of the deaths does not tell who aborted, this line does."""
 
     _MARK = JOB_FILE_MARK.encode()
     _NAMES = re.compile(r"^(?:failure-rank\d+\.json|pid-rank\d+)$")
+    _ABORT = re.compile(rb"application called MPI_Abort\([^,()]*, (-?\d+)\) - process (\d+)")
 
     def __init__(self, job_dir: str, console: BinaryIO | None = None) -> None:
         self.job_dir = job_dir
         self.console = console if console is not None else sys.stderr.buffer
         self.partial = b""
         self.lock = threading.Lock()
+        self.aborted: tuple[int, int] | None = None  # (rank, code) of the first MPI_Abort seen
 
     def write(self, data: bytes) -> None:
         with self.lock:
@@ -216,6 +223,8 @@ class RecordSink:
             self._emit(self._filter(rest) if rest.strip() else b"")
 
     def _filter(self, line: bytes) -> bytes:
+        if self.aborted is None and (abort := self._ABORT.search(line)):
+            self.aborted = (int(abort.group(2)), int(abort.group(1)))
         at = line.find(self._MARK)
         if at < 0:
             return line + b"\n"

@@ -24,8 +24,8 @@ from .._errors import LaunchError
 from .._net import loopback_interface
 from ._job import Launch, all_local, notice
 
-__all__ = ["LOOPBACK_ENV", "Flavor", "check_library", "classify", "find_mpiexec", "hydra_args", "library_version",
-           "loopback_env", "mpiexec_flavor", "openmpi_args"]
+__all__ = ["FORKER", "LOOPBACK_ENV", "Flavor", "check_library", "classify", "find_mpiexec", "hydra_args",
+           "library_version", "loopback_env", "mpiexec_flavor", "openmpi_args", "single_host_forker"]
 
 INSTALL_HINT = ("install one with `pip install 'phalanx[mpich]'` (MPICH from PyPI), or load your "
                 "cluster's MPI module (`module load openmpi`), or pass --mpiexec PATH")
@@ -138,6 +138,29 @@ def hydra_args(banner: str, watched: bool) -> list[str]:
     Hydra keeps its own clean-up.
     """
     return ["-disable-auto-cleanup"] if watched and banner.startswith("Hydra") else []
+
+
+FORKER = "mpiexec.gforker"
+
+
+def single_host_forker(mpiexec: str, flavor: Flavor) -> str | None:
+    """MPICH's ``mpiexec.gforker`` beside ``mpiexec`` (Hydra), for a job whose ranks all run here.
+
+    Hydra's control port binds every interface (``0.0.0.0``) whatever ``-iface`` or ``-localhost``
+    say, and its proxy and the ranks inherit it. The forker starts the ranks itself and talks PMI
+    to each over a socketpair: the job then listens nowhere but on loopback. It tells a rank
+    killed by a signal from one that exited 0 only through the rank's keeper (``_keeper``), and it
+    stops no rank when one fails: the launcher, which watches each one, does. None where there is
+    no forker (Intel MPI, MVAPICH builds without it): Hydra then, as before. Open MPI has none:
+    its ``prterun`` listens on every interface and refuses a loopback-only control channel.
+    """
+    if flavor.family != "mpich" or not flavor.banner.startswith("Hydra"):
+        return None
+    for folder in dict.fromkeys((Path(mpiexec).parent, Path(os.path.realpath(mpiexec)).parent)):
+        forker = folder / FORKER
+        if forker.is_file() and os.access(forker, os.X_OK):
+            return str(forker)
+    return None
 
 
 # Interface settings that keep a single-host job's listening sockets on the loopback interface:

@@ -1,7 +1,8 @@
 """MPI jobs: build the ``mpiexec`` command, supervise it, explain how the job ended.
 
 ``run_mpi`` is three steps: :func:`mpi_command` (which mpiexec, with the
-arguments its implementation needs), :class:`_Supervisor` (passes the user's
+arguments its implementation needs; MPICH's ``mpiexec.gforker`` when every rank
+runs here, so that nothing listens beyond loopback), :class:`_Supervisor` (passes the user's
 signals on, ends a job whose failing rank's ``MPI_Abort`` did not, and a job
 whose ranks do not all reach ``phalanx.init`` in time, when every rank runs on
 this host) and :func:`_report` (names the rank that failed first, from the
@@ -10,11 +11,13 @@ failure records, mpiexec's output and the order the ranks were seen to die).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 from .._errors import LaunchError
 from . import _keeper as keeper
@@ -23,6 +26,7 @@ from ._jobdir import any_record, marked_ranks, pid_files, read_records, read_sta
 from ._logs import FileFollower, log_path, pump
 from ._mpi_deaths import HOST, RecordSink, Watch, can_watch_deaths, deaths_from
 from ._mpi_flavor import (
+    FORKER,
     INSTALL_HINT,
     check_library,
     find_mpiexec,
@@ -30,6 +34,7 @@ from ._mpi_flavor import (
     loopback_env,
     mpiexec_flavor,
     openmpi_args,
+    single_host_forker,
 )
 from ._mpi_hosts import host_args
 from ._procs import child_setup, descendants, kill_pids
@@ -65,10 +70,15 @@ def mpi_command(job: Launch, env: dict[str, str], job_dir: str) -> tuple[list[st
     if local and not (job.iface or env.get("PHALANX_IFACE")):  # nothing needs to reach these ranks from another host
         loopback_env(env)
     placing = host_args(job, flavor.family, mpiexec, job_dir, env, ours)
+    watched = local and can_watch_deaths()  # the launcher can stop the ranks itself only where it sees each end
+    forker = single_host_forker(mpiexec, flavor) if watched and not job.mpi_args else None
+    if forker is not None:  # no control port (Hydra's binds 0.0.0.0); the keeper reports signals, see run_mpi
+        env[keeper.ENV] = "1"
+        return [forker, "-n", str(job.n), *worker_command(job.target)], True
     if flavor.family == "openmpi":
         extra = openmpi_args(job, flavor, env, ours)
-    else:  # the launcher can stop the ranks itself only where it sees each of them end
-        extra = hydra_args(flavor.banner, local and can_watch_deaths())
+    else:
+        extra = hydra_args(flavor.banner, watched)
         if extra:  # the launcher stops the ranks: Hydra must not see a rank die by a signal (_keeper)
             env[keeper.ENV] = "1"
     cmd = [mpiexec, "-n", str(job.n), *extra, *placing, *job.mpi_args, *worker_command(job.target)]
@@ -79,20 +89,18 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
     """Run ``job`` under mpiexec until it ends; returns the exit status (a report on stderr if it failed)."""
     cmd, own_cleanup = mpi_command(job, env, job_dir)
     start = time.time()
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=child_setup(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    assert proc.stdout is not None and proc.stderr is not None
+    proc, out, err = _start(cmd, env)
     tails = (bytearray(), bytearray())
     records = RecordSink(job_dir)  # failures of ranks on other hosts arrive on stderr
-    pumps = [pump(proc.stdout, [sys.stdout.buffer], tail=tails[0]),
-             pump(proc.stderr, [records], tail=tails[1])]
+    pumps = [pump(out, [sys.stdout.buffer], tail=tails[0]),
+             pump(err, [records], tail=tails[1])]
     follower = FileFollower(job.log_dir, job.n, job.echo).start() if job.log_dir is not None else None
     watch = Watch(job_dir)
     # Ranks on other hosts cannot leave their init/ready markers in this host's job dir: the start
     # timeout is only kept where every rank runs here.
     timeout = (job.start_timeout or float("inf")) if all_local(job) else float("inf")
     clock = StartClock(job_dir, job.n, timeout)
-    supervisor = _Supervisor(job, proc, job_dir, signals, watch, clock, own_cleanup)
+    supervisor = _Supervisor(job, proc, job_dir, signals, watch, clock, own_cleanup, records)
     try:
         supervisor.run()
     finally:
@@ -100,6 +108,9 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
         for thread in pumps:
             thread.join(timeout=5)
         records.close()
+        if proc.stdout is None:  # our own pipes (_start): the pumps are done with them
+            for stream in (out, err):
+                stream.close()
         if follower is not None:
             follower.stop()
     if signals.received:
@@ -117,16 +128,51 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
         sys.stderr.write(clock.report + "\n")
         return 1
     return _report(Path(cmd[0]).name, proc.returncode, b"".join(tails).decode(errors="replace"),
-                   job_dir, watch, start, supervisor.culprit, across=not all_local(job))
+                   job_dir, watch, start, supervisor.culprit, across=not all_local(job),
+                   aborted=records.aborted if own_cleanup else None)
+
+
+def _start(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen[bytes], IO[bytes], IO[bytes]]:
+    """Start mpiexec; its stdout and stderr (and the ranks') as pipes to read.
+
+    Under the forker each rank writes to these pipes itself (``_keeper.STDIO_ENV``), and rank 0
+    reads the launcher's stdin (the forker gives its ranks ``/dev/null`` and copies their output
+    one byte per write)."""
+    if Path(cmd[0]).name != FORKER:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=child_setup(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stderr is not None
+        return proc, proc.stdout, proc.stderr
+    (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+    try:
+        stdin = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 3)
+    except OSError:  # no stdin: rank 0 keeps the forker's /dev/null
+        stdin = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    passed = [stdin, *(fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3) for fd in (out_w, err_w))]  # none below 3
+    env = {**env, keeper.STDIO_ENV: ",".join(map(str, passed))}
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=child_setup(),
+                                stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w, pass_fds=passed)
+    except BaseException:
+        for fd in (out_r, err_r):
+            os.close(fd)
+        raise
+    finally:
+        for fd in (out_w, err_w, *passed):
+            os.close(fd)
+    return proc, os.fdopen(out_r, "rb", 0), os.fdopen(err_r, "rb", 0)
 
 
 class _Supervisor:
     """Watches mpiexec until it exits; ends the job itself when mpiexec does not."""
 
     def __init__(self, job: Launch, proc: subprocess.Popen[bytes], job_dir: str, signals: Signals,
-                 watch: Watch, clock: StartClock, own_cleanup: bool = False) -> None:
+                 watch: Watch, clock: StartClock, own_cleanup: bool = False,
+                 records: RecordSink | None = None) -> None:
         self.job, self.proc, self.job_dir, self.signals, self.watch = job, proc, job_dir, signals, watch
         self.clock = clock
+        self.records = records  # mpiexec's stderr: which rank called MPI_Abort
+        self.forker = Path(str(proc.args[0] if isinstance(proc.args, list) else proc.args)).name == FORKER
         self.own_cleanup = own_cleanup  # mpiexec leaves the other ranks running when one dies
         self.culprit: int | None = None  # the rank that ended by itself first, when own_cleanup
         self.forwarded = 0
@@ -160,13 +206,23 @@ class _Supervisor:
             else:  # ranks on other hosts: mpiexec passes SIGINT/SIGTERM on (Hydra, Open MPI)
                 _send(self.proc, sig)
                 self.kill_at = self.kill_at or now + signals.stop_grace
+        elif self.own_cleanup and self.culprit is None and self.kill_at is None and self.records is not None \
+                and self.records.aborted is not None:
+            self.stop_after_abort(now, self.records.aborted[0])
         elif self.terminate_at is None and self.kill_at is None and any_record(self.job_dir):
             self.terminate_at = now + ABORT_GRACE  # MPI_Abort normally ends the job long before this
         elif self.terminate_at is None and self.kill_at is None and self.clock.overdue(now):
             self.terminate_at = now  # ranks wait in MPI_Init for one that never comes: end it now
         elif self.own_cleanup and self.culprit is None and self.terminate_at is None and self.kill_at is None:
             self.stop_after_failure(now)
+        ending = self.culprit is not None or self.terminate_at is not None or self.forwarded
+        if self.forker and ending and (self.kill_at or now) >= now and len(self.watch.dead) >= self.job.n:
+            # Every rank has ended: the forker has nothing left to do but its own clean-up, which
+            # signals ranks already gone with a second's pause between signals.
+            self.kill_at = now
         if self.terminate_at is not None and now >= self.terminate_at and self.kill_at is None:
+            if self.forker:  # its signals reach only the keepers, which ignore them
+                kill_pids(self.local_ranks())
             _send(self.proc, 15)
             self.kill_at = now + GRACE
         if self.kill_at is not None and now >= self.kill_at:
@@ -192,6 +248,14 @@ class _Supervisor:
         kill_pids(self.local_ranks())
         self.terminate_at = now + ABORT_GRACE
 
+    def stop_after_abort(self, now: float, rank: int) -> None:
+        """Rank ``rank`` called ``MPI_Abort``: it failed first, and the others stop now (SIGKILL, as
+        Hydra does). Under the forker the keepers shield every rank from the forker's own SIGINT and
+        SIGQUIT, and the aborting rank may return from ``MPI_Abort``: nobody else would stop them."""
+        self.culprit = rank
+        kill_pids(self.local_ranks())
+        self.terminate_at = self.terminate_at or now + ABORT_GRACE
+
     def local_ranks(self) -> list[int]:
         """The pids of the ranks on this host that have not been seen to end."""
         return [pid for rank, (pid, host) in pid_files(self.job_dir).items()
@@ -210,14 +274,22 @@ def _unfinished_here(job_dir: str, watch: Watch) -> list[int]:
 
 
 def _report(name: str, code: int, output: str, job_dir: str, watch: Watch, start: float,
-            culprit: int | None, across: bool = False) -> int:
-    """Print the failure report; return the job's exit status (a killed first rank's as a shell shows it).
+            culprit: int | None, across: bool = False, aborted: tuple[int, int] | None = None) -> int:
+    """Print the failure report; return the job's exit status: the first rank's where the launcher
+    saw it end first (a killed one's as a shell shows it), else mpiexec's.
 
-    ``across``: ranks may run on other hosts, whose deaths only mpiexec sees; the report names hosts."""
+    ``across``: ranks may run on other hosts, whose deaths only mpiexec sees; the report names hosts.
+    ``aborted``: the rank that called ``MPI_Abort`` and its error code (:attr:`RecordSink.aborted`)."""
+    if code < 0 and aborted is not None and aborted[1] > 0:
+        code = aborted[1]  # the launcher ended mpiexec (the forker) after MPI_Abort: the status it would have had
     records = read_records(job_dir)
     statuses = {**watch.status, **{rank: code for rank, (code, _) in read_statuses(job_dir).items()}}
     deaths = deaths_from(output, code, records, watch.dead, culprit, statuses,
                          pids=pid_files(job_dir) if across else None)
+    if aborted is not None and aborted[0] == culprit and culprit in deaths:
+        rank, error = aborted
+        deaths[rank].code = error or deaths[rank].code  # the launcher's SIGKILL ended it: not the cause
+        deaths[rank].notes.append(f"Rank {rank} called MPI_Abort(MPI_COMM_WORLD, {error}).")
     first = first_failure(records, deaths)
     status = f"{name} exited with {'code' if code > 0 else 'signal'} {abs(code)}"
     listed = any(d.by_launcher for d in deaths.values())  # else the ranks ran where the launcher cannot see
@@ -229,6 +301,8 @@ def _report(name: str, code: int, output: str, job_dir: str, watch: Watch, start
     signalled = deaths[first].code if first in deaths and not deaths[first].by_launcher else None
     if signalled is not None and signalled < 0:
         return 128 - signalled  # as a shell reports it (Hydra exits with the bare signal number)
+    if signalled and culprit is not None:  # mpiexec's status merges the others' (the launcher's SIGKILLs)
+        return signalled
     return code if code > 0 else 128 - code
 
 
