@@ -131,16 +131,18 @@ def state_bytes(opt: Any) -> int:
                if hasattr(v, "numel") and v.dim() > 0)
 
 
-@SHARDING.behaviour("the-all-gather-in-pieces-smaller-than-a-slice-trains-like-one-process")
+@SHARDING.behaviour("the-all-gather-in-pieces-smaller-than-a-slice-and-in-place-trains-like-one-process")
 def pieces() -> None:
     from phalanx.torch import _shard_plan
 
     saved, _shard_plan.PIECE_BYTES = _shard_plan.PIECE_BYTES, 40  # 5 float64 per piece and rank
+    direct = _shard_plan.DIRECT_BYTES
     try:
-        for shard in SHARDS:
-            run_case(shard, {"model": "mlp", "opt": "adam"})
+        for _shard_plan.DIRECT_BYTES in (direct, 24):  # gathering by broadcast (gloo): then parts of 3+ in place
+            for shard in SHARDS:
+                run_case(shard, {"model": "mlp", "opt": "adam"})
     finally:
-        _shard_plan.PIECE_BYTES = saved
+        _shard_plan.PIECE_BYTES, _shard_plan.DIRECT_BYTES = saved, direct
 
 
 @SHARDING.behaviour("buckets-completed-as-soon-as-posted-train-like-one-process")

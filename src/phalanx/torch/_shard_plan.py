@@ -37,6 +37,7 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", 
 (and per-parameter counters), so a slice of a parameter updates exactly as the whole would."""
 COUNTERS = frozenset({"step", "eta", "mu", "mu_product"})  # per-parameter scalars in torch.optim states
 PIECE_BYTES = 4 << 20  # per rank and all-gather: the transient is WINDOW * (size + 1) pieces
+DIRECT_BYTES = 1 << 20  # gathering by broadcast: a rank's part of a parameter this large goes in place
 WINDOW = 2  # all-gathers in flight at once: overlap without a full-size transient
 
 
@@ -85,6 +86,7 @@ class ShardPlan:
         self.positions = [self.offsets[i] + self.slices[i][0] - self._chunks[self.bucket_of[i]][1]
                           for i in range(len(engine.params))]
         self.shards = [self._shard(p, i) for i, p in enumerate(engine.params)]
+        self._casts: list[tuple[int, list[tuple[int, int, int]], bool]] | None = None  # see _plan_casts
 
     def _shard(self, p: torch.Tensor, i: int) -> torch.nn.Parameter:
         if not p.is_contiguous():
@@ -99,9 +101,15 @@ class ShardPlan:
     @torch.no_grad()
     def gather(self) -> None:
         """All-gather the updated slices into every parameter (collective: every rank, after every
-        update), in pieces of at most ``PIECE_BYTES`` per rank, ``WINDOW`` pieces in flight: the
-        transient memory stays a few MiB whatever the bucket size."""
+        update). Where the backend gathers by broadcast (gloo, mpi), each rank's part of a large parameter
+        is broadcast straight into the parameter's memory (no copy, no transient) and the small ones in
+        packed pieces; elsewhere each bucket's chunks are all-gathered in pieces. Either way a piece
+        holds at most ``PIECE_BYTES`` per rank, ``WINDOW`` pieces in flight: the transient memory stays
+        a few MiB whatever the bucket size."""
         if self.size == 1:
+            return
+        if getattr(self.world.backend, "gathers_by_broadcast", False):
+            self._broadcast_all()
             return
         world, size = self.world, self.size
         flight: deque[tuple[int, int, int, Any, tuple[torch.Tensor, torch.Tensor]]] = deque()
@@ -147,6 +155,71 @@ class ShardPlan:
                 flat = self.params[i].view(-1)[first - off:last - off]
                 piece = buf[first - start:last - start]
                 (flat if into_params else piece).copy_(piece if into_params else flat)
+
+    def _broadcast_all(self) -> None:
+        """Every rank's slices by broadcast from their owner: a part of ``DIRECT_BYTES`` or more in place
+        in its parameter, smaller ones packed in pieces of at most ``PIECE_BYTES``."""
+        if self._casts is None:
+            self._casts = self._plan_casts()
+        world, rank = self.world, self.world.rank
+        flight: deque[tuple[Any, list[torch.Tensor], torch.Tensor | None]] = deque()
+        packed = 0  # packed pieces in flight
+        for root, parts, direct in self._casts:
+            views = [self.params[i].detach().view(-1)[a:b] for i, a, b in parts]
+            if direct:
+                buf, into, piece = views[0], [], None
+            else:
+                piece = buf = views[0].new_empty(sum(v.numel() for v in views))
+                if rank == root:
+                    torch.cat(views, out=buf)
+                into = [] if rank == root else views
+                packed += 1
+            request = backend_call(world, self.call, world.backend.ibroadcast, buf, root, True)
+            flight.append((request, into, piece))
+            while packed >= WINDOW:
+                packed -= self._land(*flight.popleft())
+        while flight:
+            self._land(*flight.popleft())
+
+    def _land(self, request: Any, into: list[torch.Tensor], piece: torch.Tensor | None) -> int:
+        """Wait for one broadcast and unpack a packed piece into its parameters; 1 for a packed piece."""
+        world = self.world
+        backend_call(world, self.call, request.wait, world.timeout)
+        at = 0
+        for view in into:
+            view.copy_(piece[at:at + view.numel()])  # type: ignore[index]
+            at += view.numel()
+        return 0 if piece is None else 1
+
+    def _plan_casts(self) -> list[tuple[int, list[tuple[int, int, int]], bool]]:
+        """The broadcasts of :meth:`_broadcast_all`, the same list on every rank: (root, [(parameter,
+        first, stop) of its flattened elements], whether in place)."""
+        casts: list[tuple[int, list[tuple[int, int, int]], bool]] = []
+        for b, bucket in enumerate(self.buckets):
+            k, n = self._chunks[b][0], bucket.grads.numel()
+            width = bucket.flat.element_size()
+            limit = max(1, PIECE_BYTES // width)
+            order = sorted(bucket.params, key=lambda i: self.offsets[i])
+            for r in range(self.size):
+                lo, hi = min(r * k, n), min((r + 1) * k, n)
+                run: list[tuple[int, int, int]] = []
+                count = 0
+                for i in order:
+                    off, m = self.offsets[i], self.params[i].numel()
+                    a, e = min(max(lo - off, 0), m), min(max(hi - off, 0), m)
+                    if e > a and (e - a) * width >= DIRECT_BYTES:
+                        casts.append((r, [(i, a, e)], True))
+                        continue
+                    while e > a:
+                        take = min(e - a, limit - count)
+                        run.append((i, a, a + take))
+                        count, a = count + take, a + take
+                        if count >= limit:
+                            casts.append((r, run, False))
+                            run, count = [], 0
+                if run:
+                    casts.append((r, run, False))
+        return casts
 
     # -- optimizer state: this rank's slices of a whole state, and back ---------------
     def lengths(self, i: int) -> list[int]:
