@@ -144,3 +144,19 @@ def test_gloo_ranks_without_rank_0_say_the_store_is_unreachable() -> None:
         assert code != 0 and "RendezvousError" in err, err
         assert "rank 0 has not started" in err or "Rank 0 has not started" in err, err
         assert seconds < timeout + 10, f"rank {r} took {seconds:.1f} s"
+
+
+@pytest.mark.parametrize("where", ["backward", "step"],
+                         ids=["silent-before-the-reduce-scatter", "silent-before-the-all-gather"])
+@pytest.mark.parametrize("backend,n", world_params([("mpi", 2), ("gloo", 2)]))
+def test_a_silent_peer_in_sharded_training_is_a_timeout_within_its_bound(backend: str, n: int,
+                                                                         where: str) -> None:
+    """shard="gradients": gloo's pairwise reduce-scatter and every backend's all-gather by broadcasts
+    end in CollectiveTimeoutError on the waiting rank, within the timeout and its grace."""
+    with pytest.raises(WorldFailed) as failed:
+        run_world(bodies.sharded_peer_stalls, n, backend, op_timeout=2.0, timeout=60, args=("gradients", where))
+    report = str(failed.value)
+    times = _times(report)
+    print(f"\n{backend}-{n} {where}: rank 0 raised after {times.get('raised')} s")
+    assert "timed out after 2 s" in report and "raised" in times, report  # the type: raises() in the body
+    assert times["raised"] < 2.0 + GRACE + 1.0, report

@@ -168,3 +168,34 @@ def handles_after_a_timeout() -> None:
         assert exc is error, f"wait() raised {exc!r}, not the timeout {error!r}"
     raise RuntimeError(f"rank 0: TIMES raised={raised:.2f} | every wait() raised the same "
                        f"{type(error).__name__}: {error}")
+
+
+def sharded_peer_stalls(shard: str, where: str) -> None:
+    """Sharded training (``shard``) where rank 1 falls silent ``where`` ("backward": before its
+    gradients' reduce-scatter or allreduce; "step": after backward, before the parameters'
+    all-gather): rank 0 raises CollectiveTimeoutError within the timeout and its grace."""
+    import torch
+
+    import phalanx.torch as pt
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    opt = pt.DistributedOptimizer(torch.optim.Adam(model.parameters()), shard=shard)
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+
+    def backward() -> None:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+
+    backward()
+    opt.step()  # one whole step first: the failure is in a running job, not at set-up
+    if phalanx.rank() == 1:
+        if where == "step":
+            backward()
+        time.sleep(60)  # silent; stopped by the launcher once rank 0 fails
+        return
+    start = time.monotonic()
+    with raises(phalanx.CollectiveTimeoutError, f"a sharded {where} with a silent peer completed") as caught:
+        backward()
+        opt.step()
+    raise RuntimeError(f"rank 0: TIMES raised={time.monotonic() - start:.2f} | {caught.value}")
