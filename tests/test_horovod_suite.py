@@ -50,8 +50,9 @@ EXPECTED_FAILURES = {
     "test_broadcast_state_options": "the same: every Optimizer subclass, Muon included",
     "test_force_allreduce": "the same: every Optimizer subclass, Muon included",
 }
-#: Failing at 3 ranks only: the float16 case compares a float16 sum of 3 terms with rtol 0 against the
-#: float32 product ``3 * x``, which float16 cannot hold (any float16 result, Horovod's included, fails).
+#: Failing at 3 ranks only: the float16 case compares a float16 sum of 3 terms with tolerance 0 (the test's
+#: own for up to 3 ranks) against the float32 product ``3 * half(f * x)``, which float16 cannot hold for most
+#: elements (any float16 result, Horovod's included, fails; docs/horovod.md).
 EXPECTED_AT_3 = {name: "float16 sum of 3 terms compared exactly with a float32 product"
                  for name in ("test_horovod_allreduce_prescale", "test_horovod_reducescatter_prescale",
                               "test_horovod_grouped_reducescatter_prescale")}

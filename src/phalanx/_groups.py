@@ -84,6 +84,7 @@ class GroupWorld(World):
                          debug=parent.debug, devices=parent.devices)
         self.parent = parent
         self.group = group
+        self.retry_mismatch = parent.retry_mismatch
 
     def _label(self) -> str:
         return f"group {list(self.group.ranks)}"
@@ -110,10 +111,14 @@ class GroupWorld(World):
             "its world cannot be used any more.")
 
     def explain_mismatch(self, call: str, buf: Any, op: str | None, root: int,
-                         step: int | None = None) -> None:
-        """Every member reached here together: exchange descriptions and raise the same error."""
+                         step: int | None = None, *, retry: bool = False) -> None:
+        """Every member reached here together: exchange descriptions and raise the same error
+        (or return, with ``retry``, as :meth:`World.explain_mismatch`)."""
         entries = self.allgather_json(call, self.describe(call, buf, op, root, step))
         error = mismatch_error(call, self.rank, entries)
+        if not isinstance(error, RankFailedError) and self.retry_mismatch is not None \
+                and self.retry_mismatch(self, entries, retry):
+            return
         mapping = ", ".join(f"group rank {r} = world rank {w}" for r, w in enumerate(self.group.ranks))
         text = str(error).replace(f"phalanx.{call}", f"phalanx.{call} in {self._label()}", 1)
         raise type(error)(f"{text}\n(Ranks above are ranks of the group: {mapping}.)")

@@ -105,6 +105,10 @@ class World:
         self._pending: deque[Pending] = deque()  # non-blocking calls whose data phase is not posted
         self._at_shutdown: list[Callable[[], None]] = []
         self.groups_made, self.world_group = 0, cast(Any, None)  # phalanx.new_group's (_groups.py)
+        # A layer's rule (phalanx.horovod's), called on every rank of a mismatch with every rank's
+        # description and whether this rank can retry (a blocking call): True makes this rank agree on
+        # the same call again instead of raising (it may exchange more with the peers: all call it).
+        self.retry_mismatch: Callable[[World, list[dict[str, Any]], bool], bool] | None = None
 
     def guard(self, call: str) -> _Guard:
         """A context in which the backend's timeouts and lost peers become phalanx errors for ``call``."""
@@ -147,8 +151,11 @@ class World:
                               buf.shape)) & MASK
         with _Guard(self, call):
             same = self.backend.agree(signature, self.timeout)
-        if not same:
-            self.explain_mismatch(call, buf, op, root, step)
+        while not same:  # raises, unless retry_mismatch says this rank makes the call again
+            self.explain_mismatch(call, buf, op, root, step, retry=True)
+            self.calls += 1
+            with _Guard(self, call):
+                same = self.backend.agree(signature, self.timeout)
         return None
 
     def signature(self, call: str, buf: Buffer | None, op: str | None, root: int,
@@ -181,12 +188,15 @@ class World:
         return entry
 
     def explain_mismatch(self, call: str, buf: Buffer | None, op: str | None, root: int,
-                         step: int | None = None) -> None:
-        """Every rank reached here together: exchange descriptions and raise the same error."""
+                         step: int | None = None, *, retry: bool = False) -> None:
+        """Every rank reached here together: exchange descriptions and raise the same error
+        (with ``retry``, return instead where ``retry_mismatch`` says this rank calls again)."""
         entries = self.allgather_json(call, self.describe(call, buf, op, root, step))
         error = mismatch_error(call, self.rank, entries)
         if isinstance(error, RankFailedError):
             self.mark_broken(f"a peer called shutdown() during {call}")
+        elif self.retry_mismatch is not None and self.retry_mismatch(self, entries, retry):
+            return
         raise error
 
     def allgather_json(self, call: str, value: Any) -> list[Any]:

@@ -26,15 +26,14 @@ from .._errors import BackendUnavailableError, InvalidArgumentError, UsageError
 from ._base import WaitTimeout
 from ._hier import build_hierarchy
 from ._shard_ops import TorchShardOps
+from ._store_queries import diagnose, node_ranks_from_store
 from ._torch_buffers import TorchBuffers
 from ._torchdist import TorchRequest, end_group, group_dist
 from ._torchsetup import (
     Rendezvous,
     check_own_gpus,
-    diagnose,
     env,
     import_torch,
-    node_ranks_from_store,
     translate,
     translating,
 )

@@ -46,12 +46,12 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from .._errors import BackendUnavailableError, LaunchEnvironmentError, RendezvousError, UsageError
-from ._base import DiagnosisUnavailable, PeerLost, WaitTimeout
+from ._base import PeerLost, WaitTimeout
 from ._guard import Guard
 from ._netplan import plan
+from ._store_queries import get_all
 
-__all__ = ["Rendezvous", "check_own_gpus", "diagnose", "import_torch", "node_ranks_from_store", "translate",
-           "translating"]
+__all__ = ["Rendezvous", "check_own_gpus", "import_torch", "translate", "translating"]
 
 # How torch reports a dead peer (gloo: "Connection closed by peer [addr]:port", NCCL: remote errors).
 _LOST = ("connection closed", "connection reset", "broken pipe", "connection refused", "ncclremoteerror",
@@ -134,6 +134,7 @@ class Rendezvous:
         self.guard: Guard | None = None
         try:
             self.store = self._connect(dist)
+            self._await_open(dist)
             self.hosts = self._join()
         except BaseException:
             self.close()
@@ -180,6 +181,31 @@ class Rendezvous:
         if self.agent:
             store = dist.PrefixStore(f"phalanx{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         return store
+
+    def _await_open(self, dist: Any) -> None:
+        """Rank 0 marks its store as this world's; the others wait for the mark and reconnect when the store
+        they reached vanishes unmarked (the last world's, on a rank 0 still shutting down; bounded)."""
+        mark = f"{self.prefix}open"
+        if self.rank == 0:
+            self.store.set(mark, "1")
+            return
+        deadline, pause = time.monotonic() + self.timeout, 0.002
+        while True:
+            try:
+                if self.store.check([mark]):
+                    return
+            except RuntimeError as exc:  # gone: reconnect (to rank 0's new store, once it serves)
+                if time.monotonic() > deadline:
+                    raise self._unreachable(_first_line(exc)) from exc
+                if self.guard is not None:
+                    self.guard.close()
+                    self.guard = None
+                self.store = self._connect(dist)
+                continue
+            if time.monotonic() > deadline:
+                raise self._unreachable("rank 0 did not open it")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     def _unreachable(self, detail: str, waited: bool = True) -> RendezvousError:
         why = self.guard.failure if self.guard is not None and self.guard.failure else detail
@@ -235,7 +261,7 @@ class Rendezvous:
                     self._give_up(keys, verdict)
                 time.sleep(pause)
                 pause = min(pause * 2, 0.1)
-            joined = [json.loads(v) for v in _get_all(store, keys)]
+            joined = [json.loads(v) for v in get_all(store, keys)]
         except RendezvousError:
             raise
         except RuntimeError as exc:  # the store went away: rank 0 failed or gave up first
@@ -303,7 +329,7 @@ def check_own_gpus(meeting: Rendezvous, device: Any) -> None:
     seen: dict[tuple[str, str], list[int]] = {}
     named: dict[tuple[str, str], str] = {}
     try:
-        values = _get_all(store, keys)
+        values = get_all(store, keys)
     except RuntimeError as exc:  # a peer failed after it joined: its own error is in its output
         raise meeting.failed(exc) from exc
     for r, value in enumerate(values):
@@ -326,47 +352,6 @@ def check_own_gpus(meeting: Rendezvous, device: Any) -> None:
             "init(devices=[...]), or use backend='gloo' or 'mpi', which share a GPU between ranks.")
 
 
-def node_ranks_from_store(store: Any, rank: int, size: int, timeout: float) -> tuple[int, int]:
-    """(local rank, local size) for a process group the user made: the launcher's, else counted
-    from the hosts the ranks write to the group's store (one node when there is no store)."""
-    local, count = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
-    if local.isdigit() and count.isdigit():
-        return int(local), int(count)
-    if store is None:  # only with a user's process group on an old torch: assume one node
-        return rank, size
-    me = socket.gethostname()
-    keys = [f"phalanx/host/{r}" for r in range(size)]
-    store.set(keys[rank], me)
-    store.wait(keys, timedelta(seconds=timeout))
-    here = [r for r, h in enumerate(_get_all(store, keys)) if h.decode() == me]
-    return here.index(rank), len(here)
-
-
-def diagnose(store: Any, prefix: str, rank: int, size: int, call: str, index: int,
-             grace: float) -> tuple[list[int], dict[int, str]]:
-    """Leave this rank's stuck call in the store; read the peers' reports for ``grace`` s.
-
-    Every store operation is bounded by ``grace`` too: a store that cannot be
-    reached (its host is gone or cut off) makes this fail fast, not hang.
-    """
-    if store is None:
-        raise DiagnosisUnavailable("the process group was made without a store to ask")
-    store.set_timeout(timedelta(seconds=max(grace, 0.1)))
-    store.set(f"{prefix}stuck/{rank}", json.dumps({"call": call, "index": index}))
-    reports: dict[int, dict[str, Any]] = {}
-    waiting = [r for r in range(size) if r != rank]
-    deadline = time.monotonic() + grace
-    while waiting and time.monotonic() < deadline:
-        for r in [r for r in waiting if store.check([f"{prefix}stuck/{r}"])]:
-            reports[r] = json.loads(store.get(f"{prefix}stuck/{r}"))
-            waiting.remove(r)
-        if waiting:
-            time.sleep(0.02)
-    elsewhere = {r: f"{rep['call']} (call #{rep['index']})" for r, rep in reports.items()
-                 if rep["call"] != call or rep["index"] != index}
-    return waiting, elsewhere
-
-
 def _listen(host: str, port: int) -> socket.socket:
     """A socket listening on ``host:port`` only (for the store on a single host)."""
     family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
@@ -381,11 +366,6 @@ def _listen(host: str, port: int) -> socket.socket:
             f"phalanx.init: rank 0 could not listen on {host}:{port} for the rendezvous ({exc}). Is "
             "MASTER_PORT free? Pick another port, or let `phalanx run` choose one.") from None
     return sock
-
-
-def _get_all(store: Any, keys: list[str]) -> list[bytes]:
-    multi_get = getattr(store, "multi_get", None)  # one round trip, where torch has it
-    return multi_get(keys) if multi_get is not None else [store.get(k) for k in keys]
 
 
 def _first_line(exc: BaseException) -> str:

@@ -1,7 +1,8 @@
 """gloo/nccl jobs: start N ranks on this machine and supervise them.
 
 Each rank gets the torch.distributed environment (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) and
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), Horovod's
+(``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE``) and
 its own process group, so stopping a rank also stops what it started
 (DataLoader workers). The supervisor polls every 50 ms; the first rank that
 exits non-zero, dies by a signal or records an exception ends the job:
@@ -147,7 +148,10 @@ def _start_ranks(job: Launch, env: dict[str, str], placement: Placement) -> dict
         for local, rank in enumerate(placement.ranks):
             rank_env = dict(env, **placement.env, RANK=str(rank), WORLD_SIZE=str(placement.world_size),
                             LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(len(placement.ranks)),
-                            MASTER_ADDR=placement.master_addr, MASTER_PORT=port)
+                            MASTER_ADDR=placement.master_addr, MASTER_PORT=port,
+                            # what horovodrun's gloo launcher sets (Horovod scripts and tests read them)
+                            HOROVOD_RANK=str(rank), HOROVOD_SIZE=str(placement.world_size),
+                            HOROVOD_LOCAL_RANK=str(local), HOROVOD_LOCAL_SIZE=str(len(placement.ranks)))
             procs[rank] = subprocess.Popen(
                 worker_command(job.target), env=rank_env, start_new_session=True, preexec_fn=setup,
                 stdout=subprocess.PIPE if logs else None, stderr=subprocess.STDOUT if logs else subprocess.PIPE,

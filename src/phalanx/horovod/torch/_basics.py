@@ -21,6 +21,7 @@ from ..._errors import InvalidArgumentError
 from ..._world import current_or_none
 from .._errors import HorovodNotInitializedError, HorovodUnsupportedError
 from ._process_sets import ProcessSet, add_process_set, forget_all, register_global
+from ._resync import majority_retries
 
 __all__ = [
     "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "init",
@@ -47,6 +48,7 @@ def init(comm: Sequence[int] | Any = None, process_sets: Sequence[ProcessSet] | 
     """
     first = not phalanx.initialized()
     phalanx.init()
+    _world("init").retry_mismatch = majority_retries  # a rank's extra collective fails alone (_resync)
     n = phalanx.size()
     if comm is not None and (not hasattr(comm, "__iter__") or sorted(comm) != list(range(n))):
         raise HorovodUnsupportedError(

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 from ..._errors import PhalanxError
 from ..common.exceptions import as_horovod_error
+from . import _resync
 
 __all__: list[str] = []
 
@@ -15,11 +16,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def horovod_errors(fn: F) -> F:
-    """Decorate a public ``hvd`` function: a PhalanxError it raises becomes its Horovod twin."""
+    """Decorate a public ``hvd`` function: a PhalanxError it raises becomes its Horovod twin, and
+    while it runs (outermost) it is the operation this rank names in a mismatch (:mod:`._resync`)."""
     call = fn.__name__
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        outer = _resync.current[0] is None
+        if outer:  # the operation a mismatch names to the peers (_resync)
+            _resync.current[0] = _resync.operation_key(call, kwargs)
         try:
             return fn(*args, **kwargs)
         except PhalanxError as exc:
@@ -27,5 +32,8 @@ def horovod_errors(fn: F) -> F:
             if twin is exc:
                 raise
             raise twin from None
+        finally:
+            if outer:
+                _resync.current[0] = None
 
     return wrapper  # type: ignore[return-value]

@@ -26,10 +26,10 @@ from ..._errors import CollectiveMismatchError
 from ..._world import current_or_none
 from .._errors import HorovodJoinedError, HorovodMismatchError, HorovodUnsupportedError
 from ._basics import _on_shutdown, _world
+from ._resync import JOIN_STEP
 
 __all__ = ["join"]
 
-JOIN_STEP = 0x4A4F494E  # "JOIN": the step label of join exchanges (named in the mismatch they cause)
 _MARKER = f"step={JOIN_STEP}"
 _JOINED, _ALLREDUCE, _OTHER = 0, 1, 2
 _OPS: tuple[phalanx.Op, ...] = ("sum", "prod", "min", "max", "avg")

@@ -29,6 +29,7 @@ import phalanx
 from ..._errors import InvalidArgumentError, UnsupportedArgumentError
 from ...torch._bucket import GradientBuckets
 from .._errors import GradientSyncOrderError
+from . import _sparse_grads
 from ._basics import _on_shutdown
 from ._compression import Compression, wire_compression
 from ._functions import group_of
@@ -95,6 +96,7 @@ class _HorovodOptimizer(torch.optim.Optimizer):
     """The methods Horovod adds to the user's optimizer class (placed before it in the MRO)."""
 
     _hvd_engine: _Buckets | None
+    _hvd_sparse: set[int]  # parameters whose gradients are reduced sparse (_sparse_grads)
 
     def _hvd_setup(self, names: dict[int, str], compression: Any, passes: int, op: Any, predivide: float,
                    groups: Any, sparse_as_dense: bool, process_set: Any) -> None:
@@ -111,6 +113,7 @@ class _HorovodOptimizer(torch.optim.Optimizer):
         self._hvd_should_sync = True
         self._hvd_engine = None
         self._hvd_stale = False
+        _sparse_grads.install(self)  # its hooks run before the engine's
         if self._hvd_group is None or self._hvd_group.member:
             self._hvd_engine = self._hvd_make_engine()
         _live.add(self)
@@ -137,6 +140,8 @@ class _HorovodOptimizer(torch.optim.Optimizer):
         params, names = [], []
         for g, group in enumerate(self.param_groups):
             for k, p in enumerate(group["params"]):
+                if id(p) in self._hvd_sparse:  # reduced sparse (_sparse_grads)
+                    continue
                 params.append(p)
                 names.append(self._hvd_names.get(id(p), f"allreduce.noname.{g}.{k}"))
         size = self._hvd_size()
@@ -171,6 +176,11 @@ class _HorovodOptimizer(torch.optim.Optimizer):
             if engine.in_flight or engine.unreduced or engine.reductions == engine.synced_at:
                 engine.reduce()
             engine.synced_at = engine.reductions
+            if not self.sparse_as_dense and _sparse_grads.reduce(self):  # new sparse parameters: out of the engine
+                engine.close()
+                self._hvd_engine = self._hvd_make_engine()
+                if self._hvd_engine is not None:
+                    self._hvd_engine.synced_at = self._hvd_engine.reductions
             self._hvd_restore_sparse()
         self._hvd_synchronized = True
 
@@ -330,8 +340,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
             and by ``f/size`` after it.
         num_groups, groups: Horovod's explicit fusion groups: checked and accepted; phalanx's buckets
             fuse every gradient anyway.
-        sparse_as_dense: accepted: sparse gradients always travel dense (``SparseAdam`` gets them
-            back sparse).
+        sparse_as_dense: sparse gradients travel dense (``SparseAdam`` gets them back sparse);
+            by default they are reduced sparse, as allgathers of indices and values (``_sparse_grads``).
         process_set: reduce over its ranks only (default: every rank).
 
     Returns the wrapped optimizer. Raises InvalidArgumentError (bad named_parameters or groups,

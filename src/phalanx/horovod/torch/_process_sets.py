@@ -18,6 +18,7 @@ from typing import Any
 import phalanx
 
 from ..._errors import InvalidArgumentError, UnsupportedArgumentError
+from ._errmap import horovod_errors
 
 __all__ = ["ProcessSet", "add_process_set", "global_process_set", "remove_process_set"]
 
@@ -112,6 +113,7 @@ def set_size(process_set: ProcessSet) -> int:
     return phalanx.size() if process_set.process_set_id == 0 else len(process_set.ranks)
 
 
+@horovod_errors
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Register a process set on every rank and return it (collective over the whole world).
 
@@ -140,6 +142,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     return ps
 
 
+@horovod_errors
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set`` on every rank (collective over the world); returns whether it was
     registered. The global set is never removed (False)."""
