@@ -116,6 +116,8 @@ class Agreeing(Protocol):
     calls: int
     timeout: float
     backend: Backend
+    # a layer's rule on a mismatch (World.retry_mismatch): True makes this rank make its call again
+    retry_mismatch: Callable[[Any, list[dict[str, Any]], bool], bool] | None
 
     def ready(self, call: str) -> None: ...
     def mark_broken(self, why: str) -> None: ...
@@ -154,6 +156,9 @@ def agree(world: Agreeing, call: str, value: Any, detail: Callable[[], Any] | No
         error = mismatch_error(call, world.rank, entries)
         if isinstance(error, RankFailedError):
             world.mark_broken(f"a peer called shutdown() during {call}")  # a group's breaks its world too
+        retry = world.retry_mismatch  # a layer's rule, as in World.explain_mismatch
+        if retry is not None and not isinstance(error, RankFailedError) and retry(world, entries, True):
+            return agree(world, call, value, detail)  # this rank makes the call again
         raise error
     return [e["detail"] for e in entries]
 
