@@ -185,11 +185,13 @@ class ShardPlan:
         """Wait for one broadcast and unpack a packed piece into its parameters; 1 for a packed piece."""
         world = self.world
         backend_call(world, self.call, request.wait, world.timeout)
+        if piece is None:  # broadcast in place: nothing to unpack
+            return 0
         at = 0
         for view in into:
-            view.copy_(piece[at:at + view.numel()])  # type: ignore[index]
+            view.copy_(piece[at:at + view.numel()])
             at += view.numel()
-        return 0 if piece is None else 1
+        return 1
 
     def _plan_casts(self) -> list[tuple[int, list[tuple[int, int, int]], bool]]:
         """The broadcasts of :meth:`_broadcast_all`, the same list on every rank: (root, [(parameter,
