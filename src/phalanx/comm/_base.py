@@ -82,6 +82,10 @@ class Backend(Protocol):
     local_rank: int
     local_size: int
 
+    @property
+    def gathers_by_broadcast(self) -> bool:
+        """Whether sharded training all-gathers parameters by one broadcast per rank, in place."""
+
     # -- agreement (the per-call check) and diagnostics --------------------
     def agree(self, signature: int, timeout: float) -> bool:
         """True when every rank passed the same ``signature`` (62-bit int)."""

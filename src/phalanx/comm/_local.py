@@ -39,6 +39,8 @@ class _Done:
 class LocalBackend:
     """A world of one rank (see module docstring)."""
 
+    gathers_by_broadcast = False  # one rank: nothing to gather
+
     name = "local"
     rank = 0
     size = 1

@@ -108,7 +108,7 @@ class ShardPlan:
         a few MiB whatever the bucket size."""
         if self.size == 1:
             return
-        if getattr(self.world.backend, "gathers_by_broadcast", False):
+        if self.world.backend.gathers_by_broadcast:
             self._broadcast_all()
             return
         world, size = self.world, self.size
@@ -158,39 +158,48 @@ class ShardPlan:
 
     def _broadcast_all(self) -> None:
         """Every rank's slices by broadcast from their owner: a part of ``DIRECT_BYTES`` or more in place
-        in its parameter, smaller ones packed in pieces of at most ``PIECE_BYTES``."""
+        in its parameter, smaller ones packed in pieces of at most ``PIECE_BYTES`` (buffers reused
+        within the call: at most ``WINDOW`` per dtype and device are allocated)."""
         if self._casts is None:
             self._casts = self._plan_casts()
         world, rank = self.world, self.world.rank
-        flight: deque[tuple[Any, list[torch.Tensor], torch.Tensor | None]] = deque()
+        flight: deque[tuple[Any, list[torch.Tensor], torch.Tensor | None, list[torch.Tensor]]] = deque()
+        free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         packed = 0  # packed pieces in flight
         for root, parts, direct in self._casts:
             views = [self.params[i].detach().view(-1)[a:b] for i, a, b in parts]
             if direct:
-                buf, into, piece = views[0], [], None
+                buf, into, whole, pool = views[0], [], None, []
             else:
-                piece = buf = views[0].new_empty(sum(v.numel() for v in views))
+                pool = free.setdefault((views[0].dtype, views[0].device), [])
+                count = sum(v.numel() for v in views)
+                whole = (pool.pop() if pool and pool[-1].numel() >= count
+                         else views[0].new_empty(max(count, PIECE_BYTES // views[0].element_size())))
+                buf = whole[:count]
                 if rank == root:
                     torch.cat(views, out=buf)
                 into = [] if rank == root else views
                 packed += 1
             request = backend_call(world, self.call, world.backend.ibroadcast, buf, root, True)
-            flight.append((request, into, piece))
+            flight.append((request, into, whole, pool))
             while packed >= WINDOW:
                 packed -= self._land(*flight.popleft())
         while flight:
             self._land(*flight.popleft())
 
-    def _land(self, request: Any, into: list[torch.Tensor], piece: torch.Tensor | None) -> int:
-        """Wait for one broadcast and unpack a packed piece into its parameters; 1 for a packed piece."""
+    def _land(self, request: Any, into: list[torch.Tensor], whole: torch.Tensor | None,
+              pool: list[torch.Tensor]) -> int:
+        """Wait for one broadcast, unpack a packed piece into its parameters and return its buffer to
+        ``pool``; 1 for a packed piece, 0 for one broadcast in place."""
         world = self.world
         backend_call(world, self.call, request.wait, world.timeout)
-        if piece is None:  # broadcast in place: nothing to unpack
+        if whole is None:
             return 0
         at = 0
         for view in into:
-            view.copy_(piece[at:at + view.numel()])
+            view.copy_(whole[at:at + view.numel()])
             at += view.numel()
+        pool.append(whole)
         return 1
 
     def _plan_casts(self) -> list[tuple[int, list[tuple[int, int, int]], bool]]:
