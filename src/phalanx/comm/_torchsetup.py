@@ -98,6 +98,13 @@ def import_torch() -> Any:
         raise BackendUnavailableError(
             f"phalanx.init(backend='gloo'/'nccl'): this PyTorch build ({torch.__version__}) has no "
             "torch.distributed. Install an official wheel (`pip install torch`), or use backend='mpi'.")
+    # Before any process group exists: torch.distributed.nn.functional takes ``group.WORLD`` as the
+    # default argument of its functions, evaluated when it is first imported (torch._dynamo imports
+    # it, e.g. when a torch optimizer is made). Imported while a group exists, those defaults keep
+    # the group alive after destroy_process_group, and its gloo threads then end only at interpreter
+    # exit, where they can abort the process ("terminate called without an active exception").
+    with contextlib.suppress(ImportError):
+        import torch.distributed.nn  # noqa: F401
     return torch
 
 
