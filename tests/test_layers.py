@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Leaf modules everything uses: exceptions, settings, atomic files, what a buffer is and which
     # device a rank uses (the backends move Buffers and the nccl backend picks devices: below comm).
     ("base", ("phalanx._errors", "phalanx._settings", "phalanx._files", "phalanx._arrays", "phalanx._devices",
-              "phalanx._net")),
+              "phalanx._net", "phalanx._drain")),
     ("comm", ("phalanx.comm", "phalanx.comm.")),
     # _current holds which world is this process's, below _world so that the trace recorder (which the
     # world calls) can read it for start_trace.

@@ -8,15 +8,14 @@ that names what to install.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+from .._drain import await_readers
 from .._errors import BackendUnavailableError
 from ._base import PeerLost, WaitTimeout
 from ._wait import poll
@@ -101,9 +100,7 @@ def abort_job(MPI: Any, code: int) -> None:
     the ranks; a launcher that cannot be reached (a cut link) never does, and
     mpi4py's ``MPI_Finalize`` at exit would wait for the lost peers forever.
     """
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
+    await_readers()  # the failure's output reaches the launcher before the job is torn down
     setter = getattr(MPI, "_set_abort_status", None)
     if setter is not None:
         setter(code)  # should anything still run Python's exit: mpi4py aborts instead of finalizing

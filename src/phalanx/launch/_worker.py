@@ -29,6 +29,7 @@ import sys
 import traceback
 from typing import Any
 
+from .._drain import await_readers
 from .._failure import env_rank, keep_job_channel, on_launch_host, record_failure, send_job_file
 from . import _keeper as keeper
 
@@ -107,9 +108,9 @@ def fail(exc: BaseException) -> None:
     """Report an uncaught exception and end this rank (and an MPI job)."""
     rank = env_rank()
     exc = _user_frames(exc)
-    try:
-        traceback.print_exception(type(exc), exc, exc.__traceback__)
+    try:  # the record first: on another host it travels through stderr, which an abort can cut short
         record_failure(type(exc), exc, exc.__traceback__, rank)
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
     finally:
         mpi = _mpi()
         if mpi is not None:
@@ -120,6 +121,7 @@ def fail(exc: BaseException) -> None:
         sys.stdout.flush()
         if mpi is not None:
             _abort_at_exit(1)  # MPICH's MPI_Abort returns: at exit abort again, never MPI_Finalize (lost peers)
+            await_readers()  # the output above reaches the launcher before the abort tears the job down
             mpi.COMM_WORLD.Abort(1)
     # Exit normally (atexit handlers flush the user's files). Should exit hang, waiting for peers that
     # will never come, the launcher stops this rank: it has seen the failure record.
