@@ -2,10 +2,11 @@
 
 A loop of 16 MB allreduces (``program_host_failures.py loop``) runs until a fault:
 
-* a partition (``hosts.cut(1)``) mid-loop: every rank on **both** sides raises
+* a partition (``hosts.cut(1)``) mid-loop: on **both** sides a rank raises
   ``CollectiveTimeoutError`` naming ``phalanx.allreduce`` within ``S + RAISE_GRACE``
-  of the cut (on MPI the data phase is bounded too); the reachable side's errors
-  name the ranks behind the cut; the launcher exits non-zero within ``S + END_GRACE``;
+  of the cut (on MPI the data phase is bounded too) and ends the job on its host, so
+  its neighbour raises the same or is stopped; the reachable side's errors name the
+  ranks behind the cut; the launcher exits non-zero within ``S + END_GRACE``;
 * every process of host 1 SIGKILLed (``hosts.kill(1)``) mid-loop: the launcher exits
   non-zero within ``S + END_GRACE``, host 0's ranks end with a phalanx error naming
   the call or are stopped by the launcher;
@@ -138,15 +139,18 @@ def test_a_partition_mid_allreduce_ends_every_rank_on_both_sides_in_bounded_time
     code, ended, raised, report = _fault_run(backend, "cut", tmp_path)
     assert code != 0, report[-3000:]
     assert ended < S + END_GRACE, f"the launcher took {ended:.1f} s after the cut\n{report[-3000:]}"
-    for r in (2, 3):  # behind the cut: nothing can stop them but their own deadline
-        assert raised[r] is not None, f"rank {r} (h1) raised no phalanx error\n{_log(tmp_path / 'logs', r)[-3000:]}"
-        seconds, error = raised[r]
+    # Behind the cut nothing reaches h1's ranks but their own deadline, so one of them raises. The
+    # first rank to raise on a host ends the job there (MPI_Abort; on gloo the host's launcher stops
+    # its other rank), so a neighbour whose deadline came a moment later (a loaded machine, or on
+    # gloo a rank that left the cut call and waits in the next one) can be stopped before it prints
+    # its own error; the same on h0's side.
+    behind = [r for r in (2, 3) if raised[r] is not None]
+    assert behind, f"h1's ranks raised no phalanx error\n{_log(tmp_path / 'logs', 2)[-3000:]}"
+    for r in behind:
+        seconds, error = raised[r]  # type: ignore[misc]
         assert error.startswith("CollectiveTimeoutError: phalanx.allreduce"), error
         assert seconds < S + RAISE_GRACE, f"rank {r} raised {seconds:.1f} s after the cut"
     reachable = [r for r in (0, 1) if raised[r] is not None]
-    # The first rank to raise ends the job (MPI aborts it; on gloo h0's launcher stops its other rank):
-    # a neighbour whose own deadline started later (on gloo it may have left the cut call and wait in
-    # the next one) can be stopped before it prints its own error.
     assert reachable, f"h0's ranks raised no error\n{report[-3000:]}"
     for r in reachable:
         seconds, error = raised[r]  # type: ignore[misc]
