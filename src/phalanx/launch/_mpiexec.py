@@ -275,8 +275,9 @@ def _unfinished_here(job_dir: str, watch: Watch) -> list[int]:
 
 def _report(name: str, code: int, output: str, job_dir: str, watch: Watch, start: float,
             culprit: int | None, across: bool = False, aborted: tuple[int, int] | None = None) -> int:
-    """Print the failure report; return the job's exit status: the first rank's where the launcher
-    saw it end first (a killed one's as a shell shows it), else mpiexec's.
+    """Print the failure report; return the job's exit status: the first rank's where it raised (1, or
+    130 for KeyboardInterrupt) or where the launcher saw it end first (a killed one's as a shell shows
+    it), else mpiexec's.
 
     ``across``: ranks may run on other hosts, whose deaths only mpiexec sees; the report names hosts.
     ``aborted``: the rank that called ``MPI_Abort`` and its error code (:attr:`RecordSink.aborted`)."""
@@ -298,6 +299,8 @@ def _report(name: str, code: int, output: str, job_dir: str, watch: Watch, start
                                     others="" if listed else f"stopped by {name}; {status}",
                                     name_hosts=across) + "\n")
     sys.stderr.flush()
+    if first in records:  # it raised: its own status (mpiexec's can be another rank's, e.g. Open MPI's 14
+        return 130 if records[first].get("type") == "KeyboardInterrupt" else 1  # for a peer's lost socket)
     signalled = deaths[first].code if first in deaths and not deaths[first].by_launcher else None
     if signalled is not None and signalled < 0:
         return 128 - signalled  # as a shell reports it (Hydra exits with the bare signal number)
