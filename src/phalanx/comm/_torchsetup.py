@@ -103,8 +103,10 @@ def import_torch() -> Any:
     # it, e.g. when a torch optimizer is made). Imported while a group exists, those defaults keep
     # the group alive after destroy_process_group, and its gloo threads then end only at interpreter
     # exit, where they can abort the process ("terminate called without an active exception").
-    with contextlib.suppress(ImportError):
-        import torch.distributed.nn  # noqa: F401
+    # A group the user made first is theirs: importing it now would bind the defaults to it.
+    if not dist.is_initialized():
+        with contextlib.suppress(ImportError):
+            import torch.distributed.nn  # noqa: F401
     return torch
 
 
