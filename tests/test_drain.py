@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from phalanx._drain import await_readers
+from phalanx._drain import also_wait_for, await_readers
 
 READER = "import sys, time; time.sleep(float(sys.argv[1])); sys.stdin.buffer.read()"
 
@@ -39,6 +39,19 @@ def test_waits_until_a_slow_reader_took_the_bytes_and_is_bounded_without_reader_
     assert 0.25 < time.monotonic() - start < 10
     os.close(r)
     os.close(w)
+
+    # A descriptor named by also_wait_for (the job channel) is waited for by default.
+    r, w = os.pipe()
+    os.write(w, b"c" * 100)
+    also_wait_for(w)
+    start = time.monotonic()
+    await_readers(limit=0.3)
+    assert 0.25 < time.monotonic() - start < 10
+    os.read(r, 100)
+    start = time.monotonic()
+    await_readers(limit=5)
+    assert time.monotonic() - start < 1
+    os.close(r)
 
     # A regular file (a --log-dir log) and a closed descriptor: nothing to wait for.
     fd = os.open(tmp_path / "log", os.O_WRONLY | os.O_CREAT)

@@ -22,14 +22,22 @@ import termios
 import time
 from collections.abc import Iterable
 
-__all__ = ["await_readers"]
+__all__ = ["await_readers", "also_wait_for"]
 
 LIMIT_S = 2.0  # a reader that is gone or stopped must not hold a failing rank longer than this
+_ALSO: set[int] = set()  # more descriptors waited for by default (also_wait_for)
 
 
-def await_readers(fds: Iterable[int] = (1, 2), limit: float = LIMIT_S) -> None:
-    """Flush ``sys.stdout``/``sys.stderr``, then wait until no pipe among ``fds`` holds unread
-    bytes, for at most ``limit`` seconds."""
+def also_wait_for(fd: int) -> None:
+    """Wait for ``fd`` too in :func:`await_readers` by default (the job channel: stderr as it was
+    before ``--log-dir`` redirected it, ``phalanx._failure.keep_job_channel``)."""
+    _ALSO.add(fd)
+
+
+def await_readers(fds: Iterable[int] | None = None, limit: float = LIMIT_S) -> None:
+    """Flush ``sys.stdout``/``sys.stderr``, then wait until no pipe among ``fds`` (default: 1, 2 and
+    those of :func:`also_wait_for`) holds unread bytes, for at most ``limit`` seconds."""
+    fds = (1, 2, *_ALSO) if fds is None else fds
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed or replaced stream must not stop an abort
             stream.flush()

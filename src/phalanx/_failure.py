@@ -21,6 +21,7 @@ import traceback
 from types import TracebackType
 from typing import Any
 
+from ._drain import also_wait_for
 from ._files import write_atomically
 
 __all__ = ["JOB_FILE_MARK", "env_rank", "install_abort_hook", "keep_job_channel", "mark_rank", "on_launch_host",
@@ -86,6 +87,7 @@ def keep_job_channel() -> None:
     global _channel
     with contextlib.suppress(OSError):
         _channel = os.dup(2)
+        also_wait_for(_channel)  # a failure record sent through it is read before an abort
 
 
 def send_job_file(name: str, text: str) -> None:

@@ -40,6 +40,7 @@ from ._mpi_hosts import host_args
 from ._procs import child_setup, descendants, kill_pids
 from ._report import failure_report, first_failure
 from ._start import StartClock
+from ._worker import RAISED_STATUS
 
 __all__ = ["mpi_command", "run_mpi"]
 
@@ -275,8 +276,8 @@ def _unfinished_here(job_dir: str, watch: Watch) -> list[int]:
 
 def _report(name: str, code: int, output: str, job_dir: str, watch: Watch, start: float,
             culprit: int | None, across: bool = False, aborted: tuple[int, int] | None = None) -> int:
-    """Print the failure report; return the job's exit status: the first rank's where it raised (1, or
-    130 for KeyboardInterrupt) or where the launcher saw it end first (a killed one's as a shell shows
+    """Print the failure report; return the job's exit status: the first rank's where it raised
+    (:data:`._worker.RAISED_STATUS`) or where the launcher saw it end first (a killed one's as a shell shows
     it), else mpiexec's.
 
     ``across``: ranks may run on other hosts, whose deaths only mpiexec sees; the report names hosts.
@@ -300,7 +301,7 @@ def _report(name: str, code: int, output: str, job_dir: str, watch: Watch, start
                                     name_hosts=across) + "\n")
     sys.stderr.flush()
     if first in records:  # it raised: its own status (mpiexec's can be another rank's, e.g. Open MPI's 14
-        return 130 if records[first].get("type") == "KeyboardInterrupt" else 1  # for a peer's lost socket)
+        return RAISED_STATUS  # for a peer's lost socket); a KeyboardInterrupt leaves no record (_worker)
     signalled = deaths[first].code if first in deaths and not deaths[first].by_launcher else None
     if signalled is not None and signalled < 0:
         return 128 - signalled  # as a shell reports it (Hydra exits with the bare signal number)

@@ -104,8 +104,11 @@ def _user_frames(exc: BaseException) -> BaseException:
     return exc.with_traceback(tb)
 
 
+RAISED_STATUS = 1  # the exit status of a rank that raised (fail); the launcher's report returns it too
+
+
 def fail(exc: BaseException) -> None:
-    """Report an uncaught exception and end this rank (and an MPI job)."""
+    """Report an uncaught exception and end this rank (and an MPI job) with :data:`RAISED_STATUS`."""
     rank = env_rank()
     exc = _user_frames(exc)
     try:  # the record first: on another host it travels through stderr, which an abort can cut short
@@ -120,14 +123,14 @@ def fail(exc: BaseException) -> None:
         sys.stderr.flush()
         sys.stdout.flush()
         if mpi is not None:
-            _abort_at_exit(1)  # MPICH's MPI_Abort returns: at exit abort again, never MPI_Finalize (lost peers)
+            _abort_at_exit(RAISED_STATUS)  # MPICH's MPI_Abort returns: at exit abort again, never MPI_Finalize
             await_readers()  # the output above reaches the launcher before the abort tears the job down
-            mpi.COMM_WORLD.Abort(1)
+            mpi.COMM_WORLD.Abort(RAISED_STATUS)
     # Exit normally (atexit handlers flush the user's files). Should exit hang, waiting for peers that
     # will never come, the launcher stops this rank: it has seen the failure record.
     if os.environ.get("PHALANX_BACKEND") in ("gloo", "nccl"):
-        _exit_past_torch_teardown(1)
-    sys.exit(1)
+        _exit_past_torch_teardown(RAISED_STATUS)
+    sys.exit(RAISED_STATUS)
 
 
 def _whole_lines() -> None:

@@ -87,6 +87,7 @@ class ShardPlan:
                           for i in range(len(engine.params))]
         self.shards = [self._shard(p, i) for i, p in enumerate(engine.params)]
         self._casts: list[tuple[int, list[tuple[int, int, int]], bool]] | None = None  # see _plan_casts
+        self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}  # _broadcast_all's pieces
 
     def _shard(self, p: torch.Tensor, i: int) -> torch.nn.Parameter:
         if not p.is_contiguous():
@@ -158,20 +159,19 @@ class ShardPlan:
 
     def _broadcast_all(self) -> None:
         """Every rank's slices by broadcast from their owner: a part of ``DIRECT_BYTES`` or more in place
-        in its parameter, smaller ones packed in pieces of at most ``PIECE_BYTES`` (buffers reused
-        within the call: at most ``WINDOW`` per dtype and device are allocated)."""
+        in its parameter, smaller ones packed in pieces of at most ``PIECE_BYTES`` (their buffers, at most
+        ``WINDOW`` per dtype and device, are kept from step to step)."""
         if self._casts is None:
             self._casts = self._plan_casts()
         world, rank = self.world, self.world.rank
         flight: deque[tuple[Any, list[torch.Tensor], torch.Tensor | None, list[torch.Tensor]]] = deque()
-        free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         packed = 0  # packed pieces in flight
         for root, parts, direct in self._casts:
             views = [self.params[i].detach().view(-1)[a:b] for i, a, b in parts]
             if direct:
                 buf, into, whole, pool = views[0], [], None, []
             else:
-                pool = free.setdefault((views[0].dtype, views[0].device), [])
+                pool = self._free.setdefault((views[0].dtype, views[0].device), [])
                 count = sum(v.numel() for v in views)
                 whole = (pool.pop() if pool and pool[-1].numel() >= count
                          else views[0].new_empty(max(count, PIECE_BYTES // views[0].element_size())))
