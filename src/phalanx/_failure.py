@@ -24,12 +24,13 @@ from typing import Any
 from ._drain import also_wait_for
 from ._files import write_atomically
 
-__all__ = ["JOB_FILE_MARK", "env_rank", "install_abort_hook", "keep_job_channel", "mark_rank", "on_launch_host",
+__all__ = ["JOB_FILE_MARK", "RAISED_STATUS", "env_rank", "install_abort_hook", "keep_job_channel", "mark_rank", "on_launch_host",
            "record_failure", "send_job_file"]
 
 JOB_DIR_ENV = "PHALANX_JOB_DIR"
 LAUNCH_HOST_ENV = "PHALANX_LAUNCH_HOST"  # set by `phalanx run` when ranks may run on other hosts
 JOB_FILE_MARK = "@phalanx-job-file "  # a job-directory file on stderr, from a rank on another host
+RAISED_STATUS = 1  # the exit status of a rank that raised; phalanx run's MPI report returns it too
 _channel = 2  # the fd that carries them: stderr, as it was before --log-dir redirected it
 
 
@@ -163,7 +164,7 @@ def install_abort_hook(world: Any) -> None:
             sys.stderr.flush()
             sys.stdout.flush()
         finally:
-            code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
+            code = 130 if issubclass(exc_type, KeyboardInterrupt) else RAISED_STATUS
             backend.abort(code)
 
     hook._phalanx = True  # type: ignore[attr-defined]

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from .._errors import LaunchError
+from .._failure import RAISED_STATUS
 from . import _keeper as keeper
 from ._job import GRACE, Launch, Signals, all_local, worker_command
 from ._jobdir import any_record, marked_ranks, pid_files, read_records, read_statuses
@@ -40,7 +41,6 @@ from ._mpi_hosts import host_args
 from ._procs import child_setup, descendants, kill_pids
 from ._report import failure_report, first_failure
 from ._start import StartClock
-from ._worker import RAISED_STATUS
 
 __all__ = ["mpi_command", "run_mpi"]
 
@@ -277,7 +277,7 @@ def _unfinished_here(job_dir: str, watch: Watch) -> list[int]:
 def _report(name: str, code: int, output: str, job_dir: str, watch: Watch, start: float,
             culprit: int | None, across: bool = False, aborted: tuple[int, int] | None = None) -> int:
     """Print the failure report; return the job's exit status: the first rank's where it raised
-    (:data:`._worker.RAISED_STATUS`) or where the launcher saw it end first (a killed one's as a shell shows
+    (:data:`phalanx._failure.RAISED_STATUS`) or where the launcher saw it end first (a killed one's as a shell shows
     it), else mpiexec's.
 
     ``across``: ranks may run on other hosts, whose deaths only mpiexec sees; the report names hosts.

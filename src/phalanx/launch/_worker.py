@@ -30,7 +30,14 @@ import traceback
 from typing import Any
 
 from .._drain import await_readers
-from .._failure import env_rank, keep_job_channel, on_launch_host, record_failure, send_job_file
+from .._failure import (
+    RAISED_STATUS,
+    env_rank,
+    keep_job_channel,
+    on_launch_host,
+    record_failure,
+    send_job_file,
+)
 from . import _keeper as keeper
 
 
@@ -102,9 +109,6 @@ def _user_frames(exc: BaseException) -> BaseException:
             or os.path.dirname(os.path.abspath(tb.tb_frame.f_code.co_filename)) == ours):
         tb = tb.tb_next
     return exc.with_traceback(tb)
-
-
-RAISED_STATUS = 1  # the exit status of a rank that raised (fail); the launcher's report returns it too
 
 
 def fail(exc: BaseException) -> None:
