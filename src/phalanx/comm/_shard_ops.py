@@ -76,11 +76,15 @@ class MPIShardOps:
 
     def iallgather_into(self: Any, x: Any, out: Any) -> MPIRequest:
         """Post an all-gather of 1-D ``x`` into 1-D ``out`` (rank ``r``'s at ``[r*k, (r+1)*k)``)."""
-        send = self._as_send(x)
         host = out.cpu() if self._staged(out) else out  # a CUDA output staged on the host
-        req = self.comm.Iallgather(send, self._as_mpi(host))
+        if _plain_cpu(x) and _plain_cpu(host):
+            send: Any = _raw(self.MPI, x)
+            req = self.comm.Iallgather(send, _raw(self.MPI, host))
+        else:
+            send = self._as_send(x)
+            req = self.comm.Iallgather(send, self._as_mpi(host))
 
-        def complete(keep: Any = send) -> Any:
+        def complete(keep: Any = (send, host)) -> Any:
             if host is not out:
                 out.copy_(host)
             return out
@@ -161,6 +165,17 @@ class TorchShardOps:
         parts = [self._bits(target[r * k:(r + 1) * k]) for r in range(self.size)]
         return self._request(lambda: _Works([self._dist.broadcast(part, r, async_op=True)
                                              for r, part in enumerate(parts)]), complete)
+
+
+def _plain_cpu(t: Any) -> bool:
+    return not isinstance(t, np.ndarray) and not t.is_cuda and t.is_contiguous()
+
+
+def _raw(MPI: Any, t: Any) -> list[Any]:
+    """A CPU tensor's memory as MPI bytes, leaving its storage resizable (``numpy()`` marks it not
+    resizable for good, and sharded parameters free and regather their storage). The caller keeps
+    ``t`` alive until the request completes."""
+    return [MPI.buffer.fromaddress(t.data_ptr(), t.numel() * t.element_size()), MPI.BYTE]
 
 
 def _words(a: Any) -> np.ndarray:

@@ -21,8 +21,9 @@ from ._replicas import Replicas, replicate, withdevices
 # data loading (DistributedSampler, dataloader_context)
 from ._sampler import DistributedSampler, dataloader_context
 
-# sharded training's GradScaler
+# sharded training: its GradScaler, and what a sharded parameter is
 from ._scaler import ShardedGradScaler
+from ._shard_tensor import ShardedTensor, ShardSpec, shard_of
 
 # SyncBatchNorm
 from ._syncbn import SyncBatchNorm, convert_sync_batchnorm
@@ -35,9 +36,12 @@ __all__ = [
     "DataParallel",
     "DistributedOptimizer",
     "PowerSGD",
+    "ShardSpec",
     "ShardedGradScaler",
+    "ShardedTensor",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
+    "shard_of",
     # in-process replicas
     "Replicas",
     "replicate",

@@ -166,7 +166,7 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
         check_policy(_CALL, nonfinite)
         self._group = group
         self._check_steps = world_for(group, _CALL).debug if check_steps is None else bool(check_steps)
-        check_shard(_CALL, shard, compression, group)
+        check_shard(_CALL, shard, compression, group, modules=False)
         if shard is not None:
             check_elementwise(_CALL, optimizer, shard)
         self._shard = shard

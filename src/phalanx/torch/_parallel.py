@@ -22,14 +22,17 @@ from typing import Any, Literal
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from .._errors import InvalidArgumentError, UsageError
 from .._groups import Group, world_for
 from .._sync import synchronize
 from ._bucket import GradientBuckets
-from ._common import Compression, GradientOp, backend_call, check_options
+from ._common import Compression, GradientOp, backend_call, check_options, verify_same_structure
 from ._engine_owner import EngineOwner
 from ._finite import NonFinitePolicy, check_policy
+from ._param_shards import ParamShards
 from ._shard_plan import check_elementwise
 from ._sharded import Sharding, check_shard
+from ._shard_state import full_state_dict
 
 __all__ = ["DataParallel"]
 
@@ -136,16 +139,27 @@ class DataParallel(EngineOwner, torch.nn.Module):
     def __init__(self, module: torch.nn.Module, *, op: GradientOp = "avg", bucket_cap_mb: float = 25,
                  compression: Compression | None = None, broadcast_buffers: bool = True,
                  nonfinite: NonFinitePolicy | None = None, check_steps: bool | None = None,
-                 group: Group | None = None, shard: Literal["optimizer", "gradients"] | None = None) -> None:
+                 group: Group | None = None, shard: Literal["optimizer", "gradients", "parameters"] | None = None,
+                 units: Any = None, reshard_after_forward: bool = True) -> None:
         super().__init__()
         self._sharding: Sharding | None = None
+        self._params: ParamShards | None = None
         check_options(_CALL, op, bucket_cap_mb, compression)
         check_policy(_CALL, nonfinite)
         check_shard(_CALL, shard, compression, group)
         self.module = module
         self.broadcast_buffers = bool(broadcast_buffers)
         self._world = world_for(group, _CALL)
+        self._require_sync = True
+        if shard == "parameters":
+            self._init_parameters(module, op, nonfinite, group, units, reshard_after_forward)
+            return
+        if units is not None:
+            raise InvalidArgumentError(f"phalanx.{_CALL}(units=...): units are what shard='parameters' gathers "
+                                       f"together; with shard={shard!r} every parameter stays whole. Use "
+                                       "shard='parameters', or leave units out.")
         named = list(module.named_parameters())
+        self._trainable = [p.requires_grad for _, p in named]
         # The engine first: it checks that the ranks wrap the same parameters, naming the first difference.
         self._engine = GradientBuckets([p for _, p in named], [n for n, _ in named], call=_CALL, op=op,
                                        bucket_cap_mb=bucket_cap_mb, compression=compression, group=group,
@@ -160,13 +174,37 @@ class DataParallel(EngineOwner, torch.nn.Module):
             synchronize(module, root=0, group=group)  # rank 0's parameters and buffers
         buffers = list(module.buffers())
         self._pack = _BufferPack(buffers) if buffers and self._world.size > 1 else None
-        self._require_sync = True
         if shard is not None and self._world.size > 1:  # one rank has nothing to split
             self._sharding = Sharding(self._engine, shard, _CALL, group)
             for register, fn in ((register_optimizer_step_pre_hook, _before_step),
                                  (register_optimizer_step_post_hook, _after_step)):
                 hook = register(functools.partial(fn, weakref.ref(self)))
                 weakref.finalize(self, hook.remove)
+
+    def _init_parameters(self, module: torch.nn.Module, op: GradientOp, nonfinite: Any, group: Group | None,
+                         units: Any, reshard_after_forward: bool) -> None:
+        """shard="parameters": every parameter sharded, gathered unit by unit (``_param_shards.py``)."""
+        if op != "avg" or nonfinite is not None:
+            raise InvalidArgumentError(
+                f"phalanx.{_CALL}(shard='parameters', op={op!r}, nonfinite={nonfinite!r}): sharded "
+                "parameters average their gradients (op='avg') and have no non-finite check yet. Leave op "
+                "and nonfinite out, or use shard='gradients'.")
+        named = list(module.named_parameters())
+        verify_same_structure(_CALL, [f"{n}: {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
+                                      for n, p in named], group=group)
+        with torch.no_grad():
+            synchronize(module, root=0, group=group)  # rank 0's parameters and buffers
+        buffers = list(module.buffers())
+        self._pack = _BufferPack(buffers) if buffers and self._world.size > 1 else None
+        self._engine = None  # type: ignore[assignment]
+        self._params = ParamShards(module, units, self._world, group, _CALL, reshard_after_forward)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's state, ``module.``-prefixed; with shard="parameters" every parameter whole, under
+        its own name and shape (collective: every rank calls it and gets the same tensors).
+        ``load_state_dict`` takes such a whole state: each rank keeps its elements of every parameter."""
+        state = super().state_dict(*args, **kwargs)
+        return state if self._params is None else full_state_dict(state)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -183,7 +221,7 @@ class DataParallel(EngineOwner, torch.nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the reduced gradients, sharded or not: the total norm
         is over every rank's slices (one small allreduce; call it on every rank after backward)."""
-        if self._sharding is None:
+        if self._sharding is None:  # shard="parameters": torch's own, on the sharded gradients
             return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
         return self._sharding.clip_grad_norm_(max_norm, norm_type)
 
@@ -191,6 +229,10 @@ class DataParallel(EngineOwner, torch.nn.Module):
         """``module(*args, **kwargs)``, after broadcasting rank 0's buffers in training mode."""
         if self.training and self.broadcast_buffers and self._pack is not None:
             self._sync_buffers(self._pack)
+        if self._params is not None:
+            self._params.sync = self._require_sync
+            return self._params.forward(self.module, *args, **kwargs)
+        self._check_trainable()
         self._engine.sync = self._require_sync  # DDP decides at forward time, too
         if self.training and torch.is_grad_enabled():
             self._engine.step_label += 1  # the training step the next reduction belongs to
@@ -210,14 +252,32 @@ class DataParallel(EngineOwner, torch.nn.Module):
     def reduce_gradients(self) -> None:
         """Reduce the current gradients now (collective): for passes that did not reduce in backward,
         e.g. after ``no_sync()`` when no synced backward follows."""
+        if self._params is not None:
+            self._params.reduce_pending()
+            return
         if self._engine.reductions > self._reduced_at_forward:  # no forward of its own (a rank without
             self._engine.step_label += 1  # a batch this step): it stands for that step's forward
         self._engine.reduce()
 
     def close(self) -> None:
         """Stop reducing gradients (removes the hooks); ``module`` is unchanged."""
-        self._engine.close()
+        if self._engine is not None:
+            self._engine.close()
         self._sharding = None
+
+    def _check_trainable(self) -> None:
+        """UsageError when a parameter's requires_grad changed since wrapping: the engine reduces the
+        parameters that required gradients then, so the ranks would silently drift apart."""
+        flags = [p.requires_grad for p in self.module.parameters()]
+        if flags != self._trainable:
+            changed = [f"{n} (now requires_grad={p.requires_grad})" for (n, p), was
+                       in zip(self.module.named_parameters(), self._trainable, strict=False) if p.requires_grad != was]
+            raise UsageError(
+                f"phalanx.{_CALL}: requires_grad changed after wrapping: {', '.join(changed[:4])}. The gradient "
+                "engine reduces the parameters that required gradients when the model was wrapped, so the "
+                "ranks would drift apart. Set requires_grad before wrapping, or call `model.close()` and wrap "
+                "`model.module` again after changing it (on every rank); shard='parameters' follows such "
+                "changes by itself.")
 
     def _sync_buffers(self, pack: _BufferPack) -> None:
         world = self._world

@@ -45,24 +45,37 @@ def sharding_of(optimizer: torch.optim.Optimizer) -> Sharding | None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             ref = _OWNER.get(p)
-            return None if ref is None else ref()
+            if ref is not None:  # not only the first: it may be frozen, which the engine does not shard
+                return ref()
     return None
 
 
-def check_shard(call: str, shard: Any, compression: Any, group: Any) -> None:
-    """InvalidArgumentError for an unknown ``shard`` or one that cannot combine with ``compression``;
-    then, collectively, CollectiveMismatchError unless every rank passed the same ``shard``."""
-    if shard is not None and shard not in SHARDS:
+def check_shard(call: str, shard: Any, compression: Any, group: Any, modules: bool = True) -> None:
+    """InvalidArgumentError for an unknown ``shard`` or one that cannot combine with ``compression``
+    (``modules``: the wrapper holds the model, so shard="parameters" is possible); then, collectively,
+    CollectiveMismatchError unless every rank passed the same ``shard``."""
+    if shard == "parameters" and not modules:
+        raise InvalidArgumentError(
+            f"phalanx.{call}(shard='parameters'): sharding the parameters needs the model, to gather each "
+            "unit before its forward; an optimizer never sees the forward. Wrap the model instead: "
+            "`model = phalanx.torch.DataParallel(model, shard='parameters')`, then make a plain torch "
+            "optimizer on `model.parameters()`.")
+    if shard == "parameters" and compression is not None:
+        raise InvalidArgumentError(
+            f"phalanx.{call}(shard='parameters', compression={compression!r}): sharded parameters reduce-scatter "
+            "full-precision gradients. Leave compression out, or use shard='gradients' with it.")
+    if shard is not None and shard not in (*SHARDS, "parameters"):
         raise InvalidArgumentError(
             f"phalanx.{call}(shard={shard!r}): use None (default: every rank keeps the whole training "
             "state), 'optimizer' (each rank keeps the optimizer state of 1/N of the parameters: ZeRO "
-            "stage 1) or 'gradients' (also only 1/N of the reduced gradients: ZeRO stage 2).")
+            "stage 1) or 'gradients' (also only 1/N of the reduced gradients: ZeRO stage 2) or 'parameters' (also only "
+            "1/N of the parameters, gathered unit by unit to run: ZeRO stage 3, DataParallel only).")
     if shard is not None and is_powersgd(compression):
         raise InvalidArgumentError(
             f"phalanx.{call}(shard={shard!r}, compression=PowerSGD): PowerSGD reduces whole low-rank "
             "factors, which do not split into shards. Use shard with compression='bf16', 'fp16' or None, "
             "or PowerSGD with shard=None.")
-    verify_same_structure(call, [f"shard={shard!r}"], what="setting", group=group)
+    verify_same_structure(call, [f"shard={shard!r}"], what="setting", group=group)  # names each rank's value
 
 
 class Sharding:
@@ -226,6 +239,10 @@ class _WholeState:
 def whole_state(optimizer: Any) -> Any:
     """``optimizer`` itself, or, when it updates a :class:`Sharding`'s slices, an object whose
     ``state_dict()``/``load_state_dict()`` are the whole (unsharded) state (collective)."""
+    from ._shard_state import ShardedOptimizerState, holds_sharded_tensors
+
+    if holds_sharded_tensors(optimizer):  # made on a shard="parameters" model
+        return ShardedOptimizerState(optimizer)
     sharding = None if optimizer is None else sharding_of(optimizer)
     return optimizer if sharding is None else _WholeState(sharding, optimizer)
 

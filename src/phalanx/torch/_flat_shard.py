@@ -1,0 +1,146 @@
+"""One unit's parameters of one dtype, flattened end to end and split in N chunks: :class:`FlatShard`.
+
+::
+
+    flat = FlatShard(owner, unit, [(name, p), ...])   # every rank: the same parameters, in the same order
+    flat.shards[i]        # parameter i as a ShardedTensor Parameter: this rank's elements, its shape
+    flat.gather()         # every rank's chunk into the whole flat buffer (collective); flat.wholes[i]: views
+    flat.free()           # the whole buffer's memory released; the shards stay
+    flat.reduce(sync)     # the wholes' .grad reduce-scattered into the shards' .grad (collective)
+
+The parameters (``n`` elements together) are laid end to end and padded to
+``N * k`` with ``k = ceil(n / N)``; rank ``r`` keeps elements
+``[r*k, (r+1)*k)`` in :attr:`local`, its master shard. A parameter's shard
+is the part of it inside that chunk (possibly empty). Gathering is one
+all-gather of the chunks straight into the whole buffer, whose views are the
+unit's whole parameters (one leaf tensor each, the same object at every
+gather, so autograd's saved tensors see the data again when backward
+regathers a unit freed after forward). Reducing copies the wholes'
+gradients into one ``N * k`` buffer and reduce-scatters it: each rank
+receives its chunk, averaged, and each shard's ``.grad`` is its part
+(accumulated into an existing ``.grad``, as torch accumulates ``p.grad``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._common import backend_call
+from ._shard_tensor import ShardedTensor, ShardSpec
+
+__all__ = ["FlatShard"]
+
+
+class FlatShard:
+    """This rank's chunk of one unit's parameters of one dtype and device (see the module docstring)."""
+
+    def __init__(self, owner: Any, unit: str, named: list[tuple[str, torch.nn.Parameter]]) -> None:
+        world = owner.world
+        self.owner, self.world, self.unit = owner, world, unit
+        size, rank = world.size, world.rank
+        first = named[0][1]
+        self.dtype, self.device = first.dtype, first.device
+        self.offsets: list[int] = []
+        at = 0
+        for _, p in named:
+            self.offsets.append(at)
+            at += p.numel()
+        self.n = at
+        self.k = k = max(1, -(-at // size))
+        lo = rank * k
+        self.local = torch.zeros(k, dtype=self.dtype, device=self.device)  # the master shard
+        self.whole = torch.zeros(size * k, dtype=self.dtype, device=self.device)
+        self.shards: list[torch.nn.Parameter] = []
+        self.wholes: list[torch.nn.Parameter] = []
+        self.ranges: list[tuple[int, int]] = []  # each parameter's elements in this rank's chunk
+        with torch.no_grad():
+            for (name, p), off in zip(named, self.offsets, strict=True):
+                m = p.numel()
+                self.whole[off:off + m].copy_(p.detach().reshape(-1))
+                bounds = tuple((min(max(r * k - off, 0), m), min(max((r + 1) * k - off, 0), m))
+                               for r in range(size))
+                a, b = bounds[rank]
+                self.ranges.append((a, b))
+                spec = ShardSpec(name, p.shape, unit, owner, a, b, bounds)
+                view = self.local[off + a - lo:off + b - lo] if b > a else self.local[:0]
+                shard = ShardedTensor(view, spec, requires_grad=p.requires_grad)
+                shard._is_param = True  # an nn.Parameter, as torch's own subclasses of it are
+                self.shards.append(shard)  # type: ignore[arg-type]
+                self.wholes.append(torch.nn.Parameter(self.whole[off:off + m].view(p.shape),
+                                                      requires_grad=p.requires_grad))
+            self.local.copy_(self.whole[lo:lo + k])
+        self.live = True  # the whole buffer holds the parameters (until free())
+
+    # -- the whole parameters -------------------------------------------------------
+    @torch.no_grad()
+    def gather(self) -> None:
+        """Every rank's chunk into the whole buffer (collective); the whole parameters hold the values.
+        Writing them is not a change autograd should see: a unit regathered for backward holds the
+        values its forward saved."""
+        world = self.world
+        storage = self.whole.untyped_storage()
+        if not self.live:
+            storage.resize_(self.whole.numel() * self.whole.element_size())
+        with torch.autograd._unsafe_preserve_version_counter((self.whole, *self.wholes)):
+            if world.size == 1:
+                self.whole.copy_(self.local)
+            else:
+                request = backend_call(world, self.owner.call, world.backend.iallgather_into, self.local, self.whole)
+                backend_call(world, self.owner.call, request.wait, world.timeout)
+        self.live = True
+
+    def free(self) -> None:
+        """Release the whole buffer's memory (the whole parameters keep their shapes, without data)."""
+        if self.live:
+            self.whole.untyped_storage().resize_(0)
+            self.live = False
+
+    def follow_requires_grad(self) -> None:
+        """The whole parameters require gradients exactly where their shards do (frozen, or unfrozen
+        since wrapping)."""
+        for shard, w in zip(self.shards, self.wholes, strict=True):
+            if w.requires_grad != shard.requires_grad:
+                w.requires_grad_(shard.requires_grad)
+
+    # -- gradients ---------------------------------------------------------------------
+    def has_grads(self) -> bool:
+        return any(w.grad is not None for w in self.wholes)
+
+    @torch.no_grad()
+    def reduce(self, average: bool) -> None:
+        """Reduce-scatter the whole parameters' gradients (collective; ``average``: divide by N) into
+        the shards' ``.grad``; the wholes' ``.grad`` are released. A parameter no rank had a gradient
+        for keeps its shard's ``.grad`` unchanged (None: the optimizer skips it, as it would the whole)."""
+        world, size = self.world, self.world.size
+        send = torch.zeros(size * self.k, dtype=self.dtype, device=self.device)
+        seen = torch.zeros(len(self.wholes), dtype=torch.float32, device=self.device)
+        for j, (w, off) in enumerate(zip(self.wholes, self.offsets, strict=True)):
+            if w.grad is not None:
+                send[off:off + w.numel()].copy_(w.grad.reshape(-1))
+                seen[j] = 1
+                w.grad = None
+        if size == 1:
+            chunk = send
+        else:
+            call = self.owner.call
+            scatter = backend_call(world, call, world.backend.ireduce_scatter, send, "sum")
+            tail = backend_call(world, call, world.backend.iallreduce, seen, "sum", True)
+            chunk = backend_call(world, call, scatter.wait, world.timeout)
+            backend_call(world, call, tail.wait, world.timeout)
+            if chunk.dtype != self.dtype:
+                chunk = chunk.to(self.dtype)
+            if average:
+                chunk.div_(size)
+        lo = world.rank * self.k
+        for j, (shard, off) in enumerate(zip(self.shards, self.offsets, strict=True)):
+            if seen[j].item() == 0:
+                continue
+            a, b = self.ranges[j]
+            part = chunk[off + a - lo:off + b - lo] if b > a else chunk[:0]
+            if shard.grad is None:
+                shard.grad = ShardedTensor(part, shard._spec)
+            else:
+                shard.grad._local.add_(part)  # type: ignore[union-attr]
+

@@ -1,0 +1,285 @@
+"""``shard="parameters"`` (ZeRO stage 3): each rank keeps 1/N of every parameter; units are gathered to run.
+
+::
+
+    shards = ParamShards(module, units, world, call, reshard_after_forward=True)
+    out = shards.forward(module, *args)   # the root unit gathered; each unit gathered before its forward
+    loss.backward()                       # units regathered for backward; gradients reduce-scattered per unit
+    optimizer.step()                      # on the ShardedTensor parameters: this rank's elements only
+
+A *unit* is a module whose parameters are gathered together
+(:func:`pick_units`); the root unit holds every parameter no unit holds
+alone (a parameter shared by two units, e.g. an output layer tied to the
+token embedding, belongs to the root). Outside forward the modules hold
+:class:`~phalanx.torch._shard_tensor.ShardedTensor` parameters, so
+``model.parameters()`` yields them with their original shapes. A unit's
+forward pre-hook gathers it (:class:`~phalanx.torch._flat_shard.FlatShard`)
+and puts its whole parameters in the modules; its forward hook puts the
+shards back, registers a pre-backward hook on its outputs, and frees the
+whole memory (``reshard_after_forward``; always when no backward can
+follow). Backward regathers a freed unit when the gradient of its output
+arrives, and when autograd has accumulated the gradient of every
+parameter of the unit that requires one (``register_post_accumulate_grad_hook``)
+the unit's gradients are reduce-scattered and its memory freed; whatever is
+left (frozen units, unused parameters) is reduced and freed when backward
+ends (an autograd engine callback). Every rank runs the same graph, so the
+collectives come in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._errors import InvalidArgumentError
+from ._flat_shard import FlatShard
+from ._shard_tensor import ShardedTensor
+
+__all__ = ["ParamShards", "pick_units"]
+
+Units = "list[type[torch.nn.Module]] | Callable[[torch.nn.Module], bool] | None"
+
+
+def pick_units(call: str, root: torch.nn.Module, units: Any) -> list[tuple[str, torch.nn.Module]]:
+    """The modules of ``root`` gathered as units, as (name, module) in module order.
+
+    ``units``: module classes (every instance is a unit), a callable picking modules, or None: the
+    default policy, every element of an ``nn.ModuleList`` (a transformer's blocks) if the model has
+    one, else every direct child of the model."""
+    if units is None:
+        lists = [(n, m) for n, m in root.named_modules() if isinstance(m, torch.nn.ModuleList)]
+        if lists:
+            return [(f"{n}.{i}" if n else str(i), child) for n, m in lists for i, child in enumerate(m)]
+        return list(root.named_children())
+    if isinstance(units, (list, tuple)):
+        if not units or not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in units):
+            raise InvalidArgumentError(
+                f"phalanx.{call}(units={units!r}): give module classes (e.g. units=[Block]), a callable "
+                "that picks modules (units=lambda m: ...), or None (each block of the model's ModuleList).")
+        classes = tuple(units)
+        return [(n, m) for n, m in root.named_modules() if m is not root and isinstance(m, classes)]
+    if callable(units):
+        return [(n, m) for n, m in root.named_modules() if m is not root and units(m)]
+    raise InvalidArgumentError(f"phalanx.{call}(units={units!r}): give module classes, a callable, or None.")
+
+
+class _Unit:
+    """A unit's flat shards, its parameter slots and where it is in this step."""
+
+    def __init__(self, name: str, module: torch.nn.Module) -> None:
+        self.name, self.module = name, module
+        self.flats: list[FlatShard] = []
+        self.slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, torch.nn.Parameter]] = []
+        self.generation = -1  # the root forward it was last gathered for
+        self.expected: set[int] = set()  # wholes whose gradient backward will accumulate
+        self.fired: set[int] = set()
+
+    def install(self, whole: bool) -> None:
+        """The modules hold the whole parameters (``whole``) or the shards."""
+        for module, attr, shard, w in self.slots:
+            module._parameters[attr] = w if whole else shard
+
+    @property
+    def live(self) -> bool:
+        return any(f.live for f in self.flats)
+
+
+class ParamShards:
+    """Every parameter of ``module`` sharded across ``world``'s ranks, gathered unit by unit."""
+
+    def __init__(self, module: torch.nn.Module, units: Any, world: Any, group: Any, call: str,
+                 reshard_after_forward: bool = True) -> None:
+        self.world, self.group, self.call = world, group, call
+        self.reshard_after_forward = bool(reshard_after_forward)
+        self.sync = True  # False inside no_sync(): gradients accumulate in the wholes, unreduced
+        self.generation = 0
+        self._callback_queued = False
+        picked = pick_units(call, module, units)
+        self.units = [_Unit(n, m) for n, m in picked]
+        self.root = _Unit("", module)
+        self._layout(module)
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(self._hook_pre_forward(unit), prepend=True)
+            unit.module.register_forward_hook(self._hook_post_forward(unit), always_call=True)
+        for unit in self.all_units:
+            for flat in unit.flats:
+                for w in flat.wholes:  # a frozen one too: it may be unfrozen later
+                    frozen = not w.requires_grad
+                    w.requires_grad_(True)
+                    w.register_post_accumulate_grad_hook(self._hook_accumulated(unit))
+                    w.requires_grad_(not frozen)
+            self._free(unit)
+
+    @property
+    def all_units(self) -> list[_Unit]:
+        return [*self.units, self.root]
+
+    # -- layout ----------------------------------------------------------------------------
+    def _layout(self, root: torch.nn.Module) -> None:
+        """Assign every parameter to its unit (the root when two units share it), flatten each unit's
+        parameters by dtype and device, and put the shards in the modules."""
+        unit_of_module = {id(u.module): u for u in self.units}
+        slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, _Unit]] = []
+        names: dict[int, str] = {}
+        holders: dict[int, set[int]] = {}
+
+        def walk(module: torch.nn.Module, prefix: str, unit: _Unit) -> None:
+            unit = unit_of_module.get(id(module), unit)
+            for attr, p in module._parameters.items():
+                if p is None:
+                    continue
+                slots.append((module, attr, p, unit))
+                names.setdefault(id(p), f"{prefix}{attr}")
+                holders.setdefault(id(p), set()).add(id(unit))
+            for child_name, child in module._modules.items():
+                if child is not None:
+                    walk(child, f"{prefix}{child_name}.", unit)
+
+        walk(root, "", self.root)
+        owner: dict[int, _Unit] = {}
+        members: dict[int, list[torch.nn.Parameter]] = {id(u): [] for u in self.all_units}
+        for _, _, p, unit in slots:
+            if id(p) not in owner:
+                owner[id(p)] = unit if len(holders[id(p)]) == 1 else self.root
+                members[id(owner[id(p)])].append(p)
+        made: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
+        for unit in self.all_units:
+            groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+            for p in members[id(unit)]:
+                groups.setdefault((p.dtype, p.device), []).append(p)
+            for params in groups.values():
+                flat = FlatShard(self, unit.name, [(names[id(p)], p) for p in params])
+                unit.flats.append(flat)
+                for p, shard, w in zip(params, flat.shards, flat.wholes, strict=True):
+                    made[id(p)] = (shard, w)
+        for module, attr, p, _ in slots:
+            shard, w = made[id(p)]
+            owner[id(p)].slots.append((module, attr, shard, w))
+            module._parameters[attr] = shard
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """``module(*args, **kwargs)`` with the root unit gathered around it (a new step)."""
+        self.generation += 1
+        self._pre_forward(self.root)
+        try:
+            out = module(*args, **kwargs)
+        except BaseException:
+            self._post_forward(self.root, None)
+            raise
+        self._post_forward(self.root, out)
+        return out
+
+    def _pre_forward(self, unit: _Unit) -> None:
+        if unit.generation != self.generation or not unit.live:
+            self._gather(unit)
+            unit.generation = self.generation
+            unit.expected, unit.fired = set(), set()
+        for flat in unit.flats:
+            flat.follow_requires_grad()
+        unit.install(whole=True)
+
+    def _post_forward(self, unit: _Unit, out: Any) -> None:
+        unit.install(whole=False)
+        backward = False
+        if torch.is_grad_enabled():
+            wanted = {id(w) for f in unit.flats for w in f.wholes if w.requires_grad}
+            unit.expected |= wanted
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(self._hook_pre_backward(unit))
+                    backward = True
+        if not backward or (self.reshard_after_forward and unit is not self.root):
+            self._free(unit)
+
+    def _hook_pre_forward(self, unit: _Unit) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self._pre_forward(unit)
+        return hook
+
+    def _hook_post_forward(self, unit: _Unit) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+            self._post_forward(unit, out)
+        return hook
+
+    # -- backward --------------------------------------------------------------------------
+    def _hook_pre_backward(self, unit: _Unit) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if not self._callback_queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+                self._callback_queued = True
+            if not unit.live:
+                self._gather(unit)
+        return hook
+
+    def _hook_accumulated(self, unit: _Unit) -> Callable[[torch.Tensor], None]:
+        def hook(w: torch.Tensor) -> None:
+            unit.fired.add(id(w))
+            if unit.expected and unit.fired >= unit.expected:
+                self._finish(unit)
+        return hook
+
+    def _finish(self, unit: _Unit) -> None:
+        """A unit whose backward is over: its gradients reduce-scattered (unless in no_sync), its memory freed."""
+        if self.sync:
+            for flat in unit.flats:
+                if flat.has_grads():
+                    flat.reduce(average=True)
+        unit.expected, unit.fired = set(), set()
+        self._free(unit)
+
+    def _end_backward(self) -> None:
+        """When backward ends: the units not finished yet (frozen, unused parameters), in unit order."""
+        self._callback_queued = False
+        for unit in self.all_units:
+            if unit.live or (self.sync and any(f.has_grads() for f in unit.flats)):
+                self._finish(unit)
+
+    def reduce_pending(self) -> None:
+        """Reduce-scatter the gradients accumulated without reducing (after ``no_sync()``; collective)."""
+        for unit in self.all_units:
+            for flat in unit.flats:
+                if flat.has_grads():
+                    flat.reduce(average=True)
+
+    # -- gather and free -------------------------------------------------------------------
+    def _gather(self, unit: _Unit) -> None:
+        for flat in unit.flats:
+            flat.gather()
+
+    def _free(self, unit: _Unit) -> None:
+        for flat in unit.flats:
+            flat.free()
+
+    # -- what ShardedTensor asks of its owner --------------------------------------------------
+    def allreduce_norms(self, part: torch.Tensor, op: str) -> torch.Tensor:
+        """``part`` (this rank's contributions to some norms) combined over the ranks (collective)."""
+        from .._collectives import allreduce
+
+        return allreduce(part, op=op, group=self.group) if self.world.size > 1 else part
+
+    @torch.no_grad()
+    def full_tensor(self, t: ShardedTensor) -> torch.Tensor:
+        """The whole tensor from every rank's elements (collective, in the same order on every rank)."""
+        from .._collectives import allgather
+
+        spec, local = t._spec, t.to_local()
+        lengths = [b - a for a, b in spec.bounds]
+        if self.world.size == 1:
+            return local.clone().view(spec.shape)
+        row = torch.zeros(max(lengths), dtype=local.dtype, device=local.device)
+        row[:local.numel()] = local
+        rows = allgather(row, group=self.group)
+        return torch.cat([rows[r, :n] for r, n in enumerate(lengths)]).view(spec.shape)
+
+    def shards(self) -> list[torch.nn.Parameter]:
+        """Every sharded parameter, in unit order."""
+        return [s for u in self.all_units for f in u.flats for s in f.shards]
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    from torch.utils import _pytree as pytree
+
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
