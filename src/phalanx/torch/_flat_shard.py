@@ -52,7 +52,7 @@ class FlatShard:
         lo = rank * k
         self.local = torch.zeros(k, dtype=self.dtype, device=self.device)  # the master shard
         self.whole = torch.zeros(size * k, dtype=self.dtype, device=self.device)
-        self.shards: list[torch.nn.Parameter] = []
+        self.shards: list[ShardedTensor] = []  # nn.Parameters (``_is_param``), as DTensor parameters are
         self.wholes: list[torch.nn.Parameter] = []
         self.ranges: list[tuple[int, int]] = []  # each parameter's elements in this rank's chunk
         with torch.no_grad():
@@ -67,7 +67,7 @@ class FlatShard:
                 view = self.local[off + a - lo:off + b - lo] if b > a else self.local[:0]
                 shard = ShardedTensor(view, spec, requires_grad=p.requires_grad)
                 shard._is_param = True  # an nn.Parameter, as torch's own subclasses of it are
-                self.shards.append(shard)  # type: ignore[arg-type]
+                self.shards.append(shard)
                 self.wholes.append(torch.nn.Parameter(self.whole[off:off + m].view(p.shape),
                                                       requires_grad=p.requires_grad))
             self.local.copy_(self.whole[lo:lo + k])
@@ -139,8 +139,9 @@ class FlatShard:
                 continue
             a, b = self.ranges[j]
             part = chunk[off + a - lo:off + b - lo] if b > a else chunk[:0]
-            if shard.grad is None:
-                shard.grad = ShardedTensor(part, shard._spec)
+            grad = shard.grad
+            if isinstance(grad, ShardedTensor):  # a second backward before the step: added, as torch adds
+                grad.to_local().add_(part)
             else:
-                shard.grad._local.add_(part)  # type: ignore[union-attr]
+                shard.grad = ShardedTensor(part, shard._spec)
 

@@ -31,8 +31,8 @@ from ._engine_owner import EngineOwner
 from ._finite import NonFinitePolicy, check_policy
 from ._param_shards import ParamShards
 from ._shard_plan import check_elementwise
-from ._sharded import Sharding, check_shard
 from ._shard_state import full_state_dict
+from ._sharded import Sharding, check_shard
 
 __all__ = ["DataParallel"]
 
@@ -125,7 +125,22 @@ class DataParallel(EngineOwner, torch.nn.Module):
             carry gradients. After a step the whole ``p.grad`` is released
             (``"optimizer"``). Element-wise optimizers only (SGD, Adam, AdamW,
             ...); clip with :meth:`clip_grad_norm_`, scale with
-            :class:`ShardedGradScaler`. None (default): no sharding.
+            :class:`ShardedGradScaler`. ``"parameters"`` (ZeRO stage 3):
+            each rank keeps 1/N of every parameter as a :class:`ShardedTensor`
+            with the parameter's shape (what ``parameters()`` yields and the
+            optimizer updates); each unit is all-gathered just before its
+            forward and freed after it, gathered again for its backward, and
+            its gradients are reduce-scattered when its backward ends. Use
+            torch's own ``clip_grad_norm_``; ``state_dict()`` is whole
+            (collective). None (default): no sharding.
+        units: with ``shard="parameters"``, the modules gathered together:
+            module classes (``[Block]``), a callable picking modules, or None
+            (default: each element of the model's ``nn.ModuleList``s, else each
+            direct child); parameters no unit holds alone (tied ones) are
+            gathered with the whole model.
+        reshard_after_forward: with ``shard="parameters"``, free each unit
+            after its forward (default True) or keep it until its backward
+            (one all-gather less per unit, more memory).
 
     Raises:
         InvalidArgumentError: an unknown ``op``/``compression`` or a bucket size <= 0.

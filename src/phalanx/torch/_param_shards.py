@@ -29,7 +29,7 @@ collectives come in the same order on every rank.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -71,7 +71,7 @@ class _Unit:
     def __init__(self, name: str, module: torch.nn.Module) -> None:
         self.name, self.module = name, module
         self.flats: list[FlatShard] = []
-        self.slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, torch.nn.Parameter]] = []
+        self.slots: list[tuple[torch.nn.Module, str, ShardedTensor, torch.nn.Parameter]] = []
         self.generation = -1  # the root forward it was last gathered for
         self.expected: set[int] = set()  # wholes whose gradient backward will accumulate
         self.fired: set[int] = set()
@@ -79,7 +79,7 @@ class _Unit:
     def install(self, whole: bool) -> None:
         """The modules hold the whole parameters (``whole``) or the shards."""
         for module, attr, shard, w in self.slots:
-            module._parameters[attr] = w if whole else shard
+            module._parameters[attr] = w if whole else shard  # type: ignore[assignment]
 
     @property
     def live(self) -> bool:
@@ -144,7 +144,7 @@ class ParamShards:
             if id(p) not in owner:
                 owner[id(p)] = unit if len(holders[id(p)]) == 1 else self.root
                 members[id(owner[id(p)])].append(p)
-        made: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
+        made: dict[int, tuple[ShardedTensor, torch.nn.Parameter]] = {}
         for unit in self.all_units:
             groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
             for p in members[id(unit)]:
@@ -157,7 +157,7 @@ class ParamShards:
         for module, attr, p, _ in slots:
             shard, w = made[id(p)]
             owner[id(p)].slots.append((module, attr, shard, w))
-            module._parameters[attr] = shard
+            module._parameters[attr] = shard  # type: ignore[assignment]  # an nn.Parameter (_is_param)
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -254,7 +254,7 @@ class ParamShards:
             flat.free()
 
     # -- what ShardedTensor asks of its owner --------------------------------------------------
-    def allreduce_norms(self, part: torch.Tensor, op: str) -> torch.Tensor:
+    def allreduce_norms(self, part: torch.Tensor, op: Literal["sum", "max"]) -> torch.Tensor:
         """``part`` (this rank's contributions to some norms) combined over the ranks (collective)."""
         from .._collectives import allreduce
 
@@ -274,7 +274,7 @@ class ParamShards:
         rows = allgather(row, group=self.group)
         return torch.cat([rows[r, :n] for r, n in enumerate(lengths)]).view(spec.shape)
 
-    def shards(self) -> list[torch.nn.Parameter]:
+    def shards(self) -> list[ShardedTensor]:
         """Every sharded parameter, in unit order."""
         return [s for u in self.all_units for f in u.flats for s in f.shards]
 

@@ -41,13 +41,16 @@ aten = torch.ops.aten
 
 @dataclass(frozen=True, eq=False)
 class ShardSpec:
-    """What one sharded parameter is, on this rank.
+    """What one sharded parameter is, on this rank: which parameter, which unit, which elements.
 
-    ``name``: its first name in the module; ``shape``: its shape; ``unit``: the
-    name of the unit that gathers it (``""`` for the root); ``owner``: the
-    sharding engine (:class:`~phalanx.torch._param_shards.ParamShards`) that
-    holds it; ``start``/``stop``: the elements of the flattened parameter this
-    rank holds; ``bounds``: every rank's ``(start, stop)``, in rank order.
+    Arguments:
+        name: its first name in the wrapped module (``h.0.attn.weight``).
+        shape: the whole parameter's shape.
+        unit: the name of the unit that gathers it (``""``: the whole model).
+        owner: the sharding engine that holds it (it gathers the whole tensor and combines norms).
+        start: the first element of the flattened parameter this rank holds.
+        stop: one past the last (``start == stop``: this rank holds none).
+        bounds: every rank's ``(start, stop)``, in rank order.
     """
 
     name: str
@@ -64,11 +67,25 @@ class ShardSpec:
 
 
 class ShardedTensor(torch.Tensor):
-    """This rank's elements of a tensor shaped like a parameter (see the module's docstring)."""
+    """This rank's elements of a tensor shaped like a parameter: a sharded parameter, its gradient or
+    its optimizer state.
+
+    ``shape``, ``dtype`` and ``device`` are the whole parameter's; :meth:`to_local` is this rank's
+    elements of it, flattened; :meth:`full_tensor` the whole tensor (collective). Element-wise
+    operations (what element-wise optimizers do, ``zero_``, ``copy_``, ``zeros_like``) act on this
+    rank's elements and return sharded results; norms (``torch.linalg.vector_norm``,
+    ``torch._foreach_norm``, so ``torch.nn.utils.clip_grad_norm_``) are over every rank's elements
+    (collective); any other operation raises :class:`~phalanx.UsageError` naming it.
+
+    Arguments:
+        local: this rank's elements (1-D, ``spec.stop - spec.start`` of them).
+        spec: the :class:`ShardSpec` saying which parameter and which elements.
+        requires_grad: whether it is a trainable parameter.
+    """
 
     _local: torch.Tensor
     _spec: ShardSpec
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: ShardSpec, requires_grad: bool = False) -> ShardedTensor:
@@ -91,7 +108,7 @@ class ShardedTensor(torch.Tensor):
         return self._spec.owner.full_tensor(self)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         kwargs = kwargs or {}
         handler = _HANDLERS.get(func)
         if handler is not None:
@@ -103,8 +120,12 @@ class ShardedTensor(torch.Tensor):
 
 
 def shard_of(t: Any) -> ShardSpec | None:
-    """The :class:`ShardSpec` of a sharded parameter (or of its gradient or optimizer state); None for
-    any other tensor."""
+    """The :class:`ShardSpec` of a sharded parameter (or of its gradient or optimizer state): which
+    parameter ``t`` is part of, its unit and which elements this rank holds; None for any other tensor.
+
+    Arguments:
+        t: any object; a :class:`ShardedTensor` gives its spec.
+    """
     return t._spec if isinstance(t, ShardedTensor) else None
 
 
