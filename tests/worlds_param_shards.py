@@ -29,7 +29,7 @@ VOCAB, SEQ, D = 11, 6, 8
 PER_RANK = 2
 
 
-def gpt(torch: Any, seed: int) -> Any:
+def gpt(torch: Any, seed: int, dtype: Any = None) -> Any:
     """A small GPT: token and (frozen) position embeddings, blocks in a ModuleList (the second called
     twice), an untied final norm and an output layer tied to the token embedding."""
     nn = torch.nn
@@ -66,7 +66,7 @@ def gpt(torch: Any, seed: int) -> Any:
             return self.lm_head(self.ln_f(x))
 
     torch.manual_seed(seed)
-    return GPT().double(), Block
+    return GPT().to(dtype or torch.float64), Block
 
 
 def tokens(torch: Any, step: int, n: int) -> tuple[Any, Any]:
@@ -80,56 +80,78 @@ def loss_of(torch: Any, model: Any, x: Any, y: Any) -> Any:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
 
-def adamw(torch: Any, model: Any) -> Any:
-    """nanoGPT's configure_optimizers: decay the matrices, not the biases and norms."""
+def adamw(torch: Any, model: Any, eps: float = 1e-8) -> Any:
+    """nanoGPT's configure_optimizers: decay the matrices, not the biases and norms. (In float32 a larger
+    ``eps``: the attention's key bias has a gradient of exactly 0 in exact arithmetic, so its float32
+    rounding noise, which differs with the summation order, is all Adam would see of it.)"""
     params = list(model.parameters())  # the frozen position embedding too (unfrozen later)
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=0.01)
+                             lr=0.01, eps=eps)
 
 
-def train(shard: str, accumulate: str, units: Any = "class", steps: int = 3) -> None:
-    """``steps`` steps of the GPT at this world's size against one process; raises on any difference."""
+def train(shard: str, accumulate: str, units: Any = "class", steps: int = 3, scaled: bool = False) -> None:
+    """``steps`` steps of the GPT at this world's size against one process; raises on any difference.
+
+    ``scaled``: in float32 under a GradScaler (``ShardedGradScaler`` on the ranks, torch's in the one
+    process), unscaled before torch's ``clip_grad_norm_``, compared to 1e-5."""
     torch, pt, r, n = _setup()
-    model, Block = gpt(torch, 7 + r)  # every rank builds its own values: the wrapper broadcasts rank 0's
-    ref, _ = gpt(torch, 7)
-    dp = pt.DataParallel(model, shard=shard, units=[Block] if units == "class" else units)
-    opt, ref_opt = adamw(torch, dp), adamw(torch, ref)
+    dtype, tol = (torch.float32, 1e-5) if scaled else (torch.float64, EXACT)
+    model, Block = gpt(torch, 7 + r, dtype)  # every rank builds its own values: the wrapper broadcasts rank 0's
+    ref, _ = gpt(torch, 7, dtype)
+    options = {"units": [Block] if units == "class" else units} if shard == "parameters" else {}
+    dp = pt.DataParallel(model, shard=shard, **options)
+    opt, ref_opt = adamw(torch, dp, 1e-4 if scaled else 1e-8), adamw(torch, ref, 1e-4 if scaled else 1e-8)
+    scaler = pt.ShardedGradScaler("cpu", init_scale=1024.0) if scaled else None
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaled else None
     assert [len(g["params"]) for g in opt.param_groups] == [len(g["params"]) for g in ref_opt.param_groups], \
         "the decay groups differ from one process's: the wrapped parameters lost their shapes"
     for step in range(steps):
         x, y = tokens(torch, step, n)
-        halves = [(x, y)] if accumulate == "none" else [
-            (x[i::2], y[i::2]) for i in range(2)]  # two micro-batches of the global batch
+        halves = [(x, y)] if accumulate == "none" else [(x[i::2], y[i::2]) for i in range(2)]  # 2 micro-batches
         for j, (xs, ys) in enumerate(halves):
             mine = slice(r * len(xs) // n, (r + 1) * len(xs) // n)
             ctx = dp.no_sync() if accumulate == "no_sync" and j == 0 else _nothing()
             with ctx:
-                (loss_of(torch, dp, xs[mine], ys[mine]) / len(halves)).backward()
-            (loss_of(torch, ref, xs, ys) / len(halves)).backward()
+                loss = loss_of(torch, dp, xs[mine], ys[mine]) / len(halves)
+                (scaler.scale(loss) if scaler else loss).backward()
+            ref_loss = loss_of(torch, ref, xs, ys) / len(halves)
+            (ref_scaler.scale(ref_loss) if ref_scaler else ref_loss).backward()
+        if scaler and ref_scaler:
+            scaler.unscale_(opt), ref_scaler.unscale_(ref_opt)
         norm = torch.nn.utils.clip_grad_norm_(dp.parameters(), 0.5)
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        assert abs(norm.item() - ref_norm.item()) <= EXACT * max(1.0, ref_norm.item()), \
+        assert abs(norm.item() - ref_norm.item()) <= tol * max(1.0, ref_norm.item()), \
             f"step {step}: clip_grad_norm_ returned {norm.item()}, one process {ref_norm.item()}"
-        opt.step(), ref_opt.step()
+        if scaler and ref_scaler:
+            scaler.step(opt), ref_scaler.step(ref_opt)
+            scaler.update(), ref_scaler.update()
+        else:
+            opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
         if step == 0:  # a fine-tuning schedule: unfreeze the position embedding
             dp.module.wpe.weight.requires_grad_(True)
-            ref.wpe.weight.requires_grad_(True)
+            if shard == "parameters":  # followed
+                ref.wpe.weight.requires_grad_(True)
+            else:  # refused at the next step, on every rank; frozen again, training goes on
+                with raises(phalanx.UsageError, f"shard={shard}: unfreezing was not refused", match="wpe.weight"):
+                    dp(x[:1])
+                dp.module.wpe.weight.requires_grad_(False)
     state = dp.state_dict()
     for name, q in ref.state_dict().items():
         p = state[f"module.{name}"]
         assert p.shape == q.shape and type(p) is torch.Tensor, f"{name}: state_dict gave {type(p)} {p.shape}"
         err = (p - q).abs().max().item()
-        assert err <= EXACT, f"{name} differs from one process by {err:.3g}"
+        assert err <= tol, f"{name} differs from one process by {err:.3g}"
         rows = phalanx.allgather(p.contiguous())
         assert all(rows[q_].equal(rows[0]) for q_ in range(n)), f"{name} differs between ranks"
     dp.eval()
     with torch.no_grad():
         x, y = tokens(torch, 99, 1)
         got, want = loss_of(torch, dp, x, y).item(), loss_of(torch, ref, x, y).item()
-    assert abs(got - want) <= EXACT, f"eval loss {got} against one process's {want}"
+    assert abs(got - want) <= tol, f"eval loss {got} against one process's {want}"
+    dp.close()
 
 
 class _nothing:
@@ -153,6 +175,20 @@ def _(r: int, n: int) -> None:
 @PARAMS.behaviour("parameters-two-plain-backwards-per-step-equal-one-process")
 def _(r: int, n: int) -> None:
     train("parameters", "passes")
+
+
+def _train(r: int, n: int, *args: Any) -> None:
+    train(*args)
+
+
+for _shard in ("optimizer", "gradients"):  # the same ordinary code on the other two levels
+    PARAMS.add(f"{_shard}-gpt-tied-frozen-twice-called-torch-clip-decay-groups-equals-one-process", _train,
+               _shard, "none")
+    PARAMS.add(f"{_shard}-no-sync-accumulation-equals-one-process", _train, _shard, "no_sync")
+    PARAMS.add(f"{_shard}-two-plain-backwards-per-step-equal-one-process", _train, _shard, "passes")
+for _shard in ("optimizer", "gradients", "parameters"):
+    PARAMS.add(f"{_shard}-sharded-grad-scaler-unscale-then-torch-clip-equals-one-process-float32", _train,
+               _shard, "none", "class", 3, True)
 
 
 @PARAMS.behaviour("parameters-default-units-are-the-modulelist-blocks")

@@ -127,8 +127,8 @@ def _train(torch: Any, model: Any, opt: Any, steps: range, n: int, r: int) -> No
 
 
 def state_bytes(opt: Any) -> int:
-    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-               if hasattr(v, "numel") and v.dim() > 0)
+    local = [v.to_local() if hasattr(v, "to_local") else v for s in opt.state.values() for v in s.values()]
+    return sum(v.numel() * v.element_size() for v in local if hasattr(v, "numel") and v.dim() > 0)
 
 
 @SHARDING.behaviour("the-all-gather-in-pieces-smaller-than-a-slice-and-in-place-trains-like-one-process")
@@ -170,8 +170,8 @@ def memory() -> None:
     assert abs(mine - 2 * 8 * total / n) <= 2 * 8 * n, f"rank {r} keeps {mine} bytes of Adam state, {total} params"
     held = phalanx.allreduce(mine)
     assert held == 2 * 8 * total, f"the ranks' Adam states add up to {held} bytes, not {2 * 8 * total}"
-    shard = opt.param_groups[0]["params"][0]
-    assert n == 1 or shard.dim() == 1 and shard.untyped_storage().data_ptr() == \
+    shard = opt.param_groups[0]["params"][0]  # a ShardedTensor: the parameter's shape, this rank's elements
+    assert n == 1 or shard.shape == model[0].weight.shape and shard.to_local().untyped_storage().data_ptr() == \
         model[0].weight.untyped_storage().data_ptr()
 
 

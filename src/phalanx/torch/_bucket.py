@@ -89,6 +89,7 @@ class GradientBuckets:
         self.world = world = world_for(group, call)  # public, as params, buckets, views: hooks read them
         pairs = [(p, n) for p, n in zip(params, names, strict=True) if p.requires_grad]
         self.params = [p for p, _ in pairs]
+        self.names = [n for _, n in pairs]  # public too: sharded slices carry them
         verify_same_structure(call, [f"{n} {str(p.dtype)[6:]}{list(p.shape)} {p.device.type}"
                                      for p, n in pairs], group=group)
         self.prescale = float(prescale) if prescale is not None else 1.0 / world.size if op == "avg" else 1.0

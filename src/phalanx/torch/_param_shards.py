@@ -29,13 +29,13 @@ collectives come in the same order on every rank.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from .._errors import InvalidArgumentError
 from ._flat_shard import FlatShard
-from ._shard_tensor import ShardedTensor
+from ._shard_tensor import ShardedTensor, ShardOwner
 
 __all__ = ["ParamShards", "pick_units"]
 
@@ -86,7 +86,7 @@ class _Unit:
         return any(f.live for f in self.flats)
 
 
-class ParamShards:
+class ParamShards(ShardOwner):
     """Every parameter of ``module`` sharded across ``world``'s ranks, gathered unit by unit."""
 
     def __init__(self, module: torch.nn.Module, units: Any, world: Any, group: Any, call: str,
@@ -252,27 +252,6 @@ class ParamShards:
     def _free(self, unit: _Unit) -> None:
         for flat in unit.flats:
             flat.free()
-
-    # -- what ShardedTensor asks of its owner --------------------------------------------------
-    def allreduce_norms(self, part: torch.Tensor, op: Literal["sum", "max"]) -> torch.Tensor:
-        """``part`` (this rank's contributions to some norms) combined over the ranks (collective)."""
-        from .._collectives import allreduce
-
-        return allreduce(part, op=op, group=self.group) if self.world.size > 1 else part
-
-    @torch.no_grad()
-    def full_tensor(self, t: ShardedTensor) -> torch.Tensor:
-        """The whole tensor from every rank's elements (collective, in the same order on every rank)."""
-        from .._collectives import allgather
-
-        spec, local = t._spec, t.to_local()
-        lengths = [b - a for a, b in spec.bounds]
-        if self.world.size == 1:
-            return local.clone().view(spec.shape)
-        row = torch.zeros(max(lengths), dtype=local.dtype, device=local.device)
-        row[:local.numel()] = local
-        rows = allgather(row, group=self.group)
-        return torch.cat([rows[r, :n] for r, n in enumerate(lengths)]).view(spec.shape)
 
     def shards(self) -> list[ShardedTensor]:
         """Every sharded parameter, in unit order."""

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ._shard_tensor import ShardedTensor
 from ._sharded import sharding_of
 
 __all__ = ["ShardedGradScaler"]
@@ -43,17 +44,32 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
-        found = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         sharding = sharding_of(optimizer)
-        if sharding is not None:
+        shard = next((p for g in optimizer.param_groups for p in g["params"] if isinstance(p, ShardedTensor)), None)
+        target: Any = optimizer
+        if sharding is not None and sharding.shard == "optimizer":
+            # every rank holds the whole reduced gradients, and the slices' are views of them: unscale the
+            # whole ones, so that code reading p.grad after unscale_ (torch's clip_grad_norm_ on the
+            # model's parameters) sees them unscaled everywhere, not only in this rank's slice
+            target = _Whole([{"params": sharding.plan.params}])
+        found = super()._unscale_grads_(target, inv_scale, found_inf, allow_fp16)
+        if shard is not None:  # this rank saw only its elements of each gradient: agree on the verdict
             from .._collectives import allreduce
 
-            group: Any = sharding.plan.group
+            group: Any = shard._spec.owner.group
             local = max((float(f.max()) for f in found.values()), default=0.0)  # one flag per device
             agreed = float(allreduce(local, op="max", group=group))
             if not found:  # no gradient on this rank: still record the verdict, as every rank must
                 found[found_inf.device] = found_inf
             for flag in found.values():
                 flag.fill_(agreed)
-            sharding.inf_agreed = True
+            if sharding is not None:
+                sharding.inf_agreed = True
         return found
+
+
+class _Whole:
+    """Parameter groups to unscale in place of an optimizer's (what ``_unscale_grads_`` reads of it)."""
+
+    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
+        self.param_groups = param_groups

@@ -3,7 +3,8 @@
 ::
 
     plan = ShardPlan(engine, call, group)        # after the engine laid out its buckets
-    plan.shards[i]                           # parameter i's slice on this rank: a Parameter sharing its memory
+    plan.shards[i]                           # parameter i's slice on this rank: a ShardedTensor Parameter (its
+                                             # shape, this rank's elements), sharing the parameter's memory
     plan.positions[i]                        # where that slice starts in this rank's chunk of its bucket
     plan.gather()                            # after the update: every rank's slices into every parameter
 
@@ -28,6 +29,7 @@ import torch
 
 from .._errors import InvalidArgumentError
 from ._common import backend_call
+from ._shard_tensor import ShardedTensor, ShardOwner, ShardSpec
 
 __all__ = ["ELEMENTWISE", "ShardPlan", "check_elementwise"]
 
@@ -54,12 +56,13 @@ def check_elementwise(call: str, optimizer: torch.optim.Optimizer, shard: str) -
         "would silently change. Use shard=None (every rank keeps the whole optimizer state).")
 
 
-class ShardPlan:
+class ShardPlan(ShardOwner):
     """This rank's slice of every parameter of ``engine`` (a GradientBuckets), and the all-gather."""
 
     def __init__(self, engine: Any, call: str, group: Any = None) -> None:
         # the engine's buckets, parameters and world, not the engine: it holds this plan (no cycle)
         self.buckets, self.params, self.world = engine.buckets, engine.params, engine.world
+        self.names = engine.names
         self.bucket_of = [0] * len(engine.params)
         self.call = call
         self.group = group
@@ -89,14 +92,17 @@ class ShardPlan:
         self._casts: list[tuple[int, list[tuple[int, int, int]], bool]] | None = None  # see _plan_casts
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}  # _broadcast_all's pieces
 
-    def _shard(self, p: torch.Tensor, i: int) -> torch.nn.Parameter:
+    def _shard(self, p: torch.Tensor, i: int) -> ShardedTensor:
         if not p.is_contiguous():
             raise InvalidArgumentError(
                 f"phalanx.{self.call}: parameter #{i} (shape {list(p.shape)}) is not contiguous, so its "
                 "slice cannot share its memory. Make it contiguous before wrapping (e.g. "
                 "`p.data = p.data.contiguous()`), or use shard=None.")
         a, b = self.slices[i]
-        return torch.nn.Parameter(p.detach().view(-1)[a:b], requires_grad=p.requires_grad)
+        spec = ShardSpec(self.names[i], p.shape, "", self, a, b, self.bounds(i))
+        shard = ShardedTensor(p.detach().view(-1)[a:b], spec, requires_grad=p.requires_grad)
+        shard._is_param = True  # an nn.Parameter, as torch's own subclasses of it are
+        return shard
 
     # -- after the update: every rank's slices everywhere -------------------------
     @torch.no_grad()
@@ -233,12 +239,16 @@ class ShardPlan:
         return casts
 
     # -- optimizer state: this rank's slices of a whole state, and back ---------------
-    def lengths(self, i: int) -> list[int]:
-        """The length of parameter ``i``'s slice on each rank, in rank order."""
+    def bounds(self, i: int) -> tuple[tuple[int, int], ...]:
+        """Parameter ``i``'s slice on each rank, in rank order: ``(start, stop)`` of its flattened elements."""
         b = self.bucket_of[i]
         k, n = self._chunks[b][0], self.buckets[b].grads.numel()
         off, m = self.offsets[i], self.params[i].numel()
-        return [max(0, min(min((r + 1) * k, n) - off, m) - max(min(r * k, n) - off, 0)) for r in range(self.size)]
+        out = []
+        for r in range(self.size):
+            a = min(max(min(r * k, n) - off, 0), m)
+            out.append((a, max(a, min(max(min((r + 1) * k, n) - off, 0), m))))
+        return tuple(out)
 
     def _per_element(self, i: int, key: Any, value: Any, shape: torch.Size) -> bool:
         p = self.params[i]
@@ -246,21 +256,14 @@ class ShardPlan:
 
     def slice_state(self, i: int, key: Any, value: Any) -> Any:
         """Parameter ``i``'s state entry ``key: value`` on this rank: a tensor shaped like the
-        parameter is cut to this rank's slice (a copy); counters (``step``) are kept."""
-        if not self._per_element(i, key, value, self.params[i].shape):
+        parameter is cut to this rank's slice (a copy, sharded like the parameter); counters (``step``)
+        are kept."""
+        if isinstance(value, ShardedTensor) or not self._per_element(i, key, value, self.params[i].shape):
             return value
         a, b = self.slices[i]
-        return value.reshape(-1)[a:b].clone()
+        return ShardedTensor(value.reshape(-1)[a:b].clone(), self.shards[i]._spec)
 
     def whole_state(self, i: int, key: Any, value: Any) -> Any:
-        """The inverse of :meth:`slice_state` (collective, in the same order on every rank): an entry
-        shaped like parameter ``i``'s slice becomes the whole parameter's, from every rank's slice."""
-        if not self._per_element(i, key, value, self.shards[i].shape):
-            return value
-        from .._collectives import allgather
-
-        lengths = self.lengths(i)
-        row = torch.zeros(max(lengths), dtype=value.dtype, device=value.device)
-        row[:value.numel()] = value
-        rows = allgather(row, group=self.group)
-        return torch.cat([rows[r, :n] for r, n in enumerate(lengths)]).view(self.params[i].shape)
+        """The inverse of :meth:`slice_state` (collective, in the same order on every rank): a sharded
+        entry becomes the whole parameter's, from every rank's slice."""
+        return self.full_tensor(value) if isinstance(value, ShardedTensor) else value

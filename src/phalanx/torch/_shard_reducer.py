@@ -31,6 +31,7 @@ from ._bucket_hot import Bucket
 from ._common import backend_call
 from ._engine_hooks import Reducer
 from ._shard_plan import ShardPlan
+from ._shard_tensor import ShardedTensor
 
 __all__ = ["ScatterReducer"]
 
@@ -135,6 +136,14 @@ def _point_grads(engine: Any, bucket: Bucket) -> None:
     seen = bucket.presence.tolist()
     for j, i in enumerate(bucket.params):
         engine.params[i].grad = None
+        if seen[j] <= 0:  # no rank had a gradient: the shard keeps what it has (None: skipped)
+            continue
         a, b = plan.slices[i]
         at = plan.positions[i]
-        plan.shards[i].grad = (chunk[at:at + b - a] if b > a else chunk[:0]) if seen[j] > 0 else None
+        part = chunk[at:at + b - a] if b > a else chunk[:0]
+        shard = plan.shards[i]
+        grad = shard.grad
+        if isinstance(grad, ShardedTensor):  # a second backward before the step: added, as torch adds p.grad
+            grad.to_local().add_(part)
+        else:
+            shard.grad = ShardedTensor(part, shard._spec)

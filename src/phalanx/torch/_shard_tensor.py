@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils import _pytree as pytree
 
 from .._errors import UsageError
 
-__all__ = ["ShardSpec", "ShardedTensor", "shard_of"]
+__all__ = ["ShardOwner", "ShardSpec", "ShardedTensor", "shard_of"]
 
 aten = torch.ops.aten
 
@@ -114,9 +114,39 @@ class ShardedTensor(torch.Tensor):
         if handler is not None:
             return handler(*args, **kwargs)
         name = func._schema.name
-        if torch.Tag.pointwise in func.tags or name.startswith("aten::_foreach_") or func in _LIKE:
+        if torch.Tag.pointwise in func.tags or name.startswith(("aten::_foreach_", "aten::_amp_foreach_")) \
+                or func in _LIKE:
             return _elementwise(func, args, kwargs)
         raise UsageError(_refusal(name, args))
+
+
+class ShardOwner:
+    """What a :class:`ShardedTensor` asks of the engine that holds it (``spec.owner``): the whole tensor and
+    norms over every rank's elements. An owner has ``world`` (its ranks) and ``group`` (the
+    :class:`phalanx.Group` or None for the whole world)."""
+
+    world: Any
+    group: Any
+
+    def allreduce_norms(self, part: torch.Tensor, op: Literal["sum", "max"]) -> torch.Tensor:
+        """``part`` (this rank's contributions to some norms) combined over the ranks (collective)."""
+        from .._collectives import allreduce
+
+        return allreduce(part, op=op, group=self.group) if self.world.size > 1 else part
+
+    @torch.no_grad()
+    def full_tensor(self, t: ShardedTensor) -> torch.Tensor:
+        """The whole tensor from every rank's elements (collective, in the same order on every rank)."""
+        from .._collectives import allgather
+
+        spec, local = t._spec, t._local
+        lengths = [b - a for a, b in spec.bounds]
+        if self.world.size == 1:
+            return local.clone().view(spec.shape)
+        row = torch.zeros(max(lengths), dtype=local.dtype, device=local.device)
+        row[:local.numel()] = local
+        rows = allgather(row, group=self.group)
+        return torch.cat([rows[r, :n] for r, n in enumerate(lengths)]).view(spec.shape)
 
 
 def shard_of(t: Any) -> ShardSpec | None:

@@ -32,6 +32,7 @@ from .._errors import InvalidArgumentError, UsageError
 from ._common import verify_same_structure
 from ._powersgd import is_powersgd
 from ._shard_plan import ShardPlan, check_elementwise
+from ._shard_tensor import ShardedTensor
 from ._shard_reducer import ScatterReducer
 
 __all__ = ["SHARDS", "Sharding", "check_shard", "sharding_of", "whole_state"]
@@ -95,7 +96,7 @@ class Sharding:
             engine.bucket_hooks.append(_view_grads)
 
     @property
-    def shards(self) -> list[torch.nn.Parameter]:
+    def shards(self) -> list[ShardedTensor]:
         return self.plan.shards
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> None:
@@ -161,8 +162,8 @@ class Sharding:
     @torch.no_grad()
     def unscale(self, scale: torch.Tensor) -> None:
         """Divide the gradients by a GradScaler's ``scale`` (stage 1: the whole ones every rank holds)."""
-        grads = ([s.grad for s in self.plan.shards] if self.shard == "gradients"
-                 else [p.grad for p in self.plan.params])
+        grads = ([s.grad.to_local() if isinstance(s.grad, ShardedTensor) else None for s in self.plan.shards]
+                 if self.shard == "gradients" else [p.grad for p in self.plan.params])
         for g in grads:
             if g is not None:
                 g.div_(scale.to(g.dtype))
@@ -174,7 +175,7 @@ class Sharding:
         from .._collectives import allreduce
 
         self.before_step()
-        grads = [s.grad for s in self.plan.shards if s.grad is not None]
+        grads = [s.grad.to_local() for s in self.plan.shards if isinstance(s.grad, ShardedTensor)]
         device = grads[0].device if grads else self.plan.params[0].device
         if math.isinf(norm_type):
             local = max((g.abs().max() for g in grads if g.numel()), default=torch.zeros((), device=device))
@@ -186,6 +187,7 @@ class Sharding:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         # stage 1: the shards' gradients are views of the whole ones, which every rank holds: scale those
         targets = grads if self.shard == "gradients" else [p.grad for p in self.plan.params if p.grad is not None]
+        # (the slices' gradients are views of the whole ones with "optimizer": scaled with them)
         for g in targets:
             g.mul_(coef.to(g.dtype))
         return total.to(grads[0].dtype if grads else torch.float32)
@@ -257,4 +259,5 @@ def _point(plan: ShardPlan, indices: Any) -> None:
     for i in indices:
         g = plan.params[i].grad
         a, b = plan.slices[i]
-        plan.shards[i].grad = None if g is None else g.reshape(-1)[a:b]
+        shard = plan.shards[i]
+        shard.grad = None if g is None else ShardedTensor(g.reshape(-1)[a:b], shard._spec)
