@@ -214,6 +214,19 @@ class DataParallel(EngineOwner, torch.nn.Module):
         self._engine = None  # type: ignore[assignment]
         self._params = ParamShards(module, units, self._world, group, _CALL, reshard_after_forward)
 
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Inside, ``model.module`` holds every parameter whole (collective on entry: each unit is
+        gathered; on exit they are freed), so forwards need not run on every rank alike, e.g. evaluating
+        each rank's own, uneven, part of a dataset. Gradients are not reduced in there. Without
+        ``shard="parameters"`` the parameters are whole anyway and this does nothing (torch FSDP's
+        ``summon_full_params``)."""
+        if self._params is None:
+            yield
+            return
+        with self._params.whole():
+            yield
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The module's state, ``module.``-prefixed; with shard="parameters" every parameter whole, under
         its own name and shape (collective: every rank calls it and gets the same tensors).
@@ -231,7 +244,7 @@ class DataParallel(EngineOwner, torch.nn.Module):
             return
         slices = {id(p): s for p, s in zip(self._sharding.plan.params, self._sharding.shards, strict=True)}
         for name, p in named:
-            yield name, slices.get(id(p), p)
+            yield name, slices.get(id(p), p)  # type: ignore[misc]  # a ShardedTensor is an nn.Parameter
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the reduced gradients, sharded or not: the total norm

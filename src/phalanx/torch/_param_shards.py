@@ -28,7 +28,8 @@ collectives come in the same order on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -96,6 +97,7 @@ class ParamShards(ShardOwner):
         self.sync = True  # False inside no_sync(): gradients accumulate in the wholes, unreduced
         self.generation = 0
         self._callback_queued = False
+        self._suspended = False  # inside whole(): the hooks stand aside
         picked = pick_units(call, module, units)
         self.units = [_Unit(n, m) for n, m in picked]
         self.root = _Unit("", module)
@@ -196,12 +198,14 @@ class ParamShards(ShardOwner):
 
     def _hook_pre_forward(self, unit: _Unit) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any) -> None:
-            self._pre_forward(unit)
+            if not self._suspended:
+                self._pre_forward(unit)
         return hook
 
     def _hook_post_forward(self, unit: _Unit) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
-            self._post_forward(unit, out)
+            if not self._suspended:
+                self._post_forward(unit, out)
         return hook
 
     # -- backward --------------------------------------------------------------------------
@@ -243,6 +247,25 @@ class ParamShards(ShardOwner):
             for flat in unit.flats:
                 if flat.has_grads():
                     flat.reduce(average=True)
+
+    @contextlib.contextmanager
+    def whole(self) -> Iterator[None]:
+        """Every unit gathered and the modules holding whole parameters (collective on entry), for
+        forwards that do not run on every rank alike (evaluation on uneven parts of a dataset): inside,
+        the units' hooks communicate nothing. Gradients are not reduced in there."""
+        self.generation += 1
+        for unit in self.all_units:
+            self._gather(unit)
+            unit.generation = self.generation
+            unit.install(whole=True)
+        self._suspended = True
+        try:
+            yield
+        finally:
+            self._suspended = False
+            for unit in self.all_units:
+                unit.install(whole=False)
+                self._free(unit)
 
     # -- gather and free -------------------------------------------------------------------
     def _gather(self, unit: _Unit) -> None:

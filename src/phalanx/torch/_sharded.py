@@ -32,8 +32,8 @@ from .._errors import InvalidArgumentError, UsageError
 from ._common import verify_same_structure
 from ._powersgd import is_powersgd
 from ._shard_plan import ShardPlan, check_elementwise
-from ._shard_tensor import ShardedTensor
 from ._shard_reducer import ScatterReducer
+from ._shard_tensor import ShardedTensor
 
 __all__ = ["SHARDS", "Sharding", "check_shard", "sharding_of", "whole_state"]
 

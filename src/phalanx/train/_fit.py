@@ -30,7 +30,7 @@ def fit(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], opt
         on_oom: FailurePolicy = "skip", max_skipped: int = 10, seed: int = 0, shuffle: bool = True,
         num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
         compression: Compression | None = None, bucket_cap_mb: float = 25,
-        shard: Literal["optimizer", "gradients"] | None = None) -> History:
+        shard: Literal["optimizer", "gradients", "parameters"] | None = None, units: Any = None) -> History:
     """Train ``model`` data-parallel on every rank (and replica) and return the metrics' :class:`History`.
 
     ::

@@ -132,21 +132,23 @@ def evaluate(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]
     rank, size = (_world.rank(), _world.size()) if _world.initialized() else (0, 1)
     part = partition(len(data), rank, size, "exact")
     module = getattr(model, "module", model)  # DataParallel: no buffer broadcast (shards differ in length)
+    whole = getattr(model, "full_parameters", contextlib.nullcontext)  # sharded parameters gathered once
     device = model_device(module)
     sums = np.zeros(2 + len(topk))
-    if len(part):
-        loader = DataLoader(Subset(data, list(part)), batch_size=batch_size, shuffle=False,
-                            num_workers=num_workers, collate_fn=collate_fn, **loader_options(num_workers))
-        was_training = module.training
-        module.eval()
-        try:
-            with torch.no_grad(), autocast(device, precision):
-                for batch in loader:
-                    inputs, targets = split_batch("evaluate", to_device(batch, device))
-                    outputs = module(inputs)
-                    sums += batch_sums(outputs, targets, loss_fn(outputs, targets), topk)
-        finally:
-            module.train(was_training)
+    with whole():  # collective: every rank, whatever its part
+        if len(part):
+            loader = DataLoader(Subset(data, list(part)), batch_size=batch_size, shuffle=False,
+                                num_workers=num_workers, collate_fn=collate_fn, **loader_options(num_workers))
+            was_training = module.training
+            module.eval()
+            try:
+                with torch.no_grad(), autocast(device, precision):
+                    for batch in loader:
+                        inputs, targets = split_batch("evaluate", to_device(batch, device))
+                        outputs = module(inputs)
+                        sums += batch_sums(outputs, targets, loss_fn(outputs, targets), topk)
+            finally:
+                module.train(was_training)
     if reduce and size > 1:
         sums = allreduce(sums)
     count = sums[1]

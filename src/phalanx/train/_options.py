@@ -48,8 +48,12 @@ OPTIONS_DOC = """
             the optimizer (compression: None, ``"bf16"``, ``"fp16"``, ``"powersgd"`` or a
             ``phalanx.torch.PowerSGD``).
         shard: ``"optimizer"`` or ``"gradients"``: shard the optimizer state (and the gradients) across
-            the ranks, ZeRO stage 1 or 2 (``docs/sharding.md``; not with replicas); None: no sharding.
+            the ranks, ZeRO stage 1 or 2 (``docs/sharding.md``; not with replicas); ``"parameters"``:
+            the parameters too, ZeRO stage 3 (fit wraps the model in ``DataParallel(shard="parameters",
+            units=units)`` and moves the optimizer onto its sharded parameters); None: no sharding.
             Checkpoints hold the whole state and resume at any number of ranks, sharded or not.
+        units: with ``shard="parameters"``, the modules gathered together (module classes, a callable
+            picking modules, or None: each block of the model's ``nn.ModuleList``).
     Precision:
         precision: ``None`` (as the model is), ``"bf16"`` (autocast) or ``"fp16"`` (autocast and a
             GradScaler).
@@ -94,7 +98,8 @@ class FitOptions:
     replicas: int | Sequence[Any] | None = None
     compression: Compression | None = None
     bucket_cap_mb: float = 25
-    shard: Literal["optimizer", "gradients"] | None = None
+    shard: Literal["optimizer", "gradients", "parameters"] | None = None
+    units: Any = None
     precision: Precision = None
     checkpoint_dir: str | os.PathLike[str] | None = None
     checkpoint_every: int | None = None
@@ -163,9 +168,13 @@ def _problem(o: FitOptions) -> str | None:
     if isinstance(o.topk, (str, bytes)) or not isinstance(o.topk, Iterable) or any(
             isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in o.topk):
         return f"topk={o.topk!r}): give positive ints, e.g. (1, 5), or () for none."
-    if o.shard is not None and o.shard not in ("optimizer", "gradients"):
+    if o.shard is not None and o.shard not in ("optimizer", "gradients", "parameters"):
         return (f"shard={o.shard!r}): use None, 'optimizer' (ZeRO stage 1: each rank keeps 1/N of the "
-                "optimizer state) or 'gradients' (stage 2: also 1/N of the gradients).")
+                "optimizer state), 'gradients' (stage 2: also 1/N of the gradients) or 'parameters' (stage 3: "
+                "also 1/N of the parameters).")
+    if o.units is not None and o.shard != "parameters":
+        return (f"units={o.units!r}, shard={o.shard!r}): units are what shard='parameters' gathers together. "
+                "Use shard='parameters', or leave units out.")
     if o.shard is not None and o.replicas is not None:
         return (f"shard={o.shard!r}, replicas={o.replicas!r}): sharding splits the state among processes; "
                 "in-process replicas each need the whole state. Use processes (phalanx run -n N) with shard=, "

@@ -47,7 +47,8 @@ def grads_finite(params: Iterable[torch.Tensor]) -> bool:
     finite: torch.Tensor | None = None
     for p in params:
         if p.grad is not None:
-            ok = torch.isfinite(p.grad).all()
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # a sharded gradient: this rank's part
+            ok = torch.isfinite(g).all()
             finite = ok if finite is None else finite & ok.to(finite.device)
     return True if finite is None else bool(finite)
 

@@ -10,6 +10,7 @@ describes it in full.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 from collections import OrderedDict
@@ -182,6 +183,15 @@ def check_format(state: Any, what: str) -> None:
         raise CheckpointError(f"{what} is not a complete phalanx checkpoint: world_size is {world_size!r}.")
 
 
+def _whole(state: dict[str, Any]) -> dict[str, Any]:
+    """A module's state with sharded parameters (``shard="parameters"``) whole (collective then)."""
+    if "phalanx.torch._shard_tensor" not in sys.modules:  # nothing can be sharded
+        return state
+    from ..torch._shard_state import full_state_dict
+
+    return full_state_dict(state)
+
+
 def capture_state(*, model: Any, optimizer: Any = None, scheduler: Any = None, scaler: Any = None,
                   progress: Mapping[str, Any] | None = None, extra: Any = None) -> dict[str, Any]:
     """The complete training state of this run as a plain dict, ready for :func:`save_checkpoint`.
@@ -230,7 +240,7 @@ def capture_state(*, model: Any, optimizer: Any = None, scheduler: Any = None, s
     state: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
-        "model": _cpu_copy(plain.state_dict()),
+        "model": _cpu_copy(_whole(plain.state_dict())),
         **parts,
         "progress": plain_progress,
         "rng": None,
