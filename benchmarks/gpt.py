@@ -1,5 +1,6 @@
 """Per-rank memory and step time of a 134M-parameter GPT: replicated, ``shard="gradients"``,
-``shard="parameters"`` (ZeRO-3) and torch's FSDP2 (``fully_shard`` per block, gloo), in one run.
+``shard="parameters"`` (ZeRO-3; also built on the meta device, and with bf16 compute) and torch's FSDP2
+(``fully_shard`` per block, gloo), in one run.
 
 ::
 
@@ -14,9 +15,13 @@ gloo (FSDP2 runs only on torch.distributed). One world (``phalanx run -n N
 1. take the resident set (``/proc/self/statm``) before the model is built:
    the base; a sampling thread (every millisecond) records the highest
    resident set from then on;
-2. build the model on the CPU (same seed on every rank) and wrap it
-   (phalanx: ``DataParallel``; FSDP2: ``fully_shard`` on every block, then on
-   the model), make AdamW on its parameters, run 2 warm-up steps;
+2. build the model on the CPU (same seed on every rank; ``parameters-meta``:
+   on the meta device, materialized unit by unit by the wrapper) and wrap it
+   (phalanx: ``DataParallel``, ``"parameters"`` with its default units: each
+   block, the embeddings, the final norm and the output layer;
+   ``parameters-bf16``: ``param_dtype=torch.bfloat16, reduce_dtype=torch.float32``;
+   FSDP2: ``fully_shard`` on every block, then on the model), make AdamW on its
+   parameters, run 2 warm-up steps;
 3. reset the peak, run ``--steps`` timed steps (zero_grad, forward,
    cross-entropy, backward, step): the *training peak* is the highest
    resident set over them minus the base, the step time their median;
@@ -41,7 +46,7 @@ import threading
 import time
 from typing import Any
 
-VARIANTS = ("replicated", "gradients", "parameters", "fsdp2")
+VARIANTS = ("replicated", "gradients", "parameters", "parameters-meta", "parameters-bf16", "fsdp2")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MIB = 2 ** 20
 VOCAB, SEQ, D, LAYERS, HEADS, BATCH = 32000, 128, 768, 12, 12, 2
@@ -120,7 +125,11 @@ def worker(args: argparse.Namespace) -> None:
     base = rss()
     sampler = Sampler()
     sampler.start()
-    net, Block = gpt(torch)
+    if args.variant == "parameters-meta":
+        with torch.device("meta"):
+            net, Block = gpt(torch)
+    else:
+        net, Block = gpt(torch)
     params = sum(p.numel() for p in net.parameters())
     if args.variant == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
@@ -131,8 +140,11 @@ def worker(args: argparse.Namespace) -> None:
             fully_shard(block, mesh=mesh)
         model = fully_shard(net, mesh=mesh)
     else:
-        shard = None if args.variant == "replicated" else args.variant
-        model = pt.DataParallel(net, shard=shard, units=[Block] if shard == "parameters" else None)
+        shard = None if args.variant == "replicated" else args.variant.split("-")[0]
+        mixed = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if args.variant.endswith("bf16") \
+            else {}
+        model = pt.DataParallel(net, shard=shard, **mixed)  # "parameters": the default units (blocks, embeddings,
+        # final norm, output layer)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     g = torch.Generator().manual_seed(phalanx.rank())
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)

@@ -191,9 +191,36 @@ for _shard in ("optimizer", "gradients", "parameters"):
                _shard, "none", "class", 3, True)
 
 
-@PARAMS.behaviour("parameters-default-units-are-the-modulelist-blocks")
+@PARAMS.behaviour("parameters-default-units-are-the-blocks-and-the-other-children-with-parameters")
 def _(r: int, n: int) -> None:
+    torch, pt, r, n = _setup()
+    model, _ = gpt(torch, 3)
+    dp = pt.DataParallel(model, shard="parameters")
+    units = sorted({pt.shard_of(p).unit for p in dp.parameters()})
+    assert units == ["", "h.0", "h.1", "ln_f", "wpe"], units  # wte and lm_head are tied: the root's
     train("parameters", "none", units=None, steps=2)
+
+
+@PARAMS.behaviour("parameters-a-model-built-on-the-meta-device-is-materialized-unit-by-unit-the-same-at-every-n")
+def _(r: int, n: int) -> None:
+    torch, pt, r, n = _setup()
+    torch.manual_seed(11 + r)  # rank 0's generator decides
+    with torch.device("meta"):
+        model, Block = gpt(torch, 0)  # gpt() seeds; under meta nothing is drawn
+    torch.manual_seed(11 + r)
+    dp = pt.DataParallel(model, shard="parameters", units=[Block])
+    assert all(not p.is_meta for p in dp.parameters()), "a parameter is still on the meta device"
+    alone = [phalanx.new_group([q]) for q in range(n)][r]  # every rank makes every group; each uses its own
+    with torch.device("meta"):
+        ref, RefBlock = gpt(torch, 0)  # (its own Block class)
+    torch.manual_seed(11)  # what one process makes with rank 0's seed, unit by unit in the same order
+    one = pt.DataParallel(ref, shard="parameters", units=[RefBlock], group=alone)
+    state, want = dp.state_dict(), one.state_dict()
+    for name, q in want.items():
+        assert state[name].equal(q), f"{name}: materialized at {n} ranks differs from at one rank"
+    x, y = tokens(torch, 0, 1)
+    loss_of(torch, dp, x, y).backward()  # and it trains
+    assert all(p.grad is not None for p in dp.parameters() if p.requires_grad)
 
 
 @PARAMS.behaviour("parameters-keep-their-shapes-and-hold-this-ranks-elements")
@@ -307,3 +334,55 @@ def _(r: int, n: int) -> None:
 def param_shards() -> dict[str, str | None]:
     """The world body: every behaviour, on every rank."""
     return PARAMS.run(phalanx.rank(), phalanx.size())
+
+
+@PARAMS.behaviour("parameters-mixed-precision-bf16-compute-float32-master-and-reduction-tracks-fsdp2")
+def _(r: int, n: int) -> None:
+    """param_dtype=bf16, reduce_dtype=float32: the gathered copies and their gradients are bf16, the
+    shards, their gradients and Adam's state float32; the loss after 10 steps is within 1e-2 of FSDP2's
+    with the same MixedPrecisionPolicy (on gloo, where torch.distributed runs), else of float32 training."""
+    torch, pt, r, n = _setup()
+    bf16, f32 = torch.bfloat16, torch.float32
+    model, Block = gpt(torch, 21, f32)
+    dp = pt.DataParallel(model, shard="parameters", units=[Block], param_dtype=bf16, reduce_dtype=f32)
+    seen: dict[str, Any] = {}
+    hook = dp.module.h[0].attn.register_forward_hook(lambda m, a, out: seen.update(weight=m.weight.dtype,
+                                                                                  out=out.dtype))
+    opt = adamw(torch, dp, 1e-6)
+
+    def losses(net: Any, optimizer: Any) -> list[float]:
+        out = []
+        for step in range(10):
+            x, y = tokens(torch, step, n)
+            mine = slice(r * PER_RANK, (r + 1) * PER_RANK)
+            loss = loss_of(torch, net, x[mine], y[mine])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(float(phalanx.allreduce(loss.float().item(), op="avg")))
+        return out
+
+    got = losses(dp, opt)
+    hook.remove()
+    assert seen == {"weight": bf16, "out": bf16}, f"the gathered unit computed in {seen}"
+    for p in dp.parameters():
+        assert p.dtype == f32 and p.to_local().dtype == f32, f"master shard {pt.shard_of(p).name} is {p.dtype}"
+    x, y = tokens(torch, 0, 1)
+    loss_of(torch, dp, x, y).backward()
+    grads = [p.grad for p in dp.parameters() if p.grad is not None]
+    assert grads and all(g.dtype == f32 for g in grads), "sharded gradients are not float32"
+    assert all(v.dtype == f32 for s in opt.state.values() for v in s.values() if v.dim() > 0), "Adam state dtype"
+    ref_model, _ = gpt(torch, 21, f32)
+    if phalanx.backend().name == "gloo":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh("cpu", (n,))
+        policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=f32)
+        for block in ref_model.h:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        ref = fully_shard(ref_model, mesh=mesh, mp_policy=policy)
+    else:
+        ref = pt.DataParallel(ref_model, shard="parameters", units=[Block])  # float32 throughout
+    want = losses(ref, adamw(torch, ref, 1e-6))
+    assert abs(got[-1] - want[-1]) <= 1e-2 * abs(want[-1]), f"loss after 10 steps {got[-1]}, reference {want[-1]}"

@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+# sharded training: its GradScaler, what a sharded parameter is, sharded checkpoints and the export
+from ._export import export_safetensors, load_safetensors
+
 # gradient reduction (DistributedOptimizer, DataParallel)
 from ._optimizer import DistributedOptimizer
 from ._parallel import DataParallel
@@ -20,10 +23,9 @@ from ._replicas import Replicas, replicate, withdevices
 
 # data loading (DistributedSampler, dataloader_context)
 from ._sampler import DistributedSampler, dataloader_context
-
-# sharded training: its GradScaler, and what a sharded parameter is
 from ._scaler import ShardedGradScaler
 from ._shard_tensor import ShardedTensor, ShardSpec, shard_of
+from ._sharded_checkpoint import load_sharded, save_sharded
 
 # SyncBatchNorm
 from ._syncbn import SyncBatchNorm, convert_sync_batchnorm
@@ -41,6 +43,10 @@ __all__ = [
     "ShardedTensor",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
+    "export_safetensors",
+    "load_safetensors",
+    "load_sharded",
+    "save_sharded",
     "shard_of",
     # in-process replicas
     "Replicas",

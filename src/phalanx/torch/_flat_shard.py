@@ -8,6 +8,12 @@
     flat.free()           # the whole buffer's memory released; the shards stay
     flat.reduce(sync)     # the wholes' .grad reduce-scattered into the shards' .grad (collective)
 
+With ``param_dtype`` (mixed precision) the master shard keeps the
+parameters' own dtype (float32) and the whole parameters are 16-bit copies,
+made by casting this rank's chunk before the all-gather; their gradients
+are reduce-scattered in ``reduce_dtype`` (default ``param_dtype``) and the
+shards' ``.grad`` are in the master dtype, as the optimizer's state.
+
 The parameters (``n`` elements together) are laid end to end and padded to
 ``N * k`` with ``k = ceil(n / N)``; rank ``r`` keeps elements
 ``[r*k, (r+1)*k)`` in :attr:`local`, its master shard. A parameter's shard
@@ -36,12 +42,16 @@ __all__ = ["FlatShard"]
 class FlatShard:
     """This rank's chunk of one unit's parameters of one dtype and device (see the module docstring)."""
 
-    def __init__(self, owner: Any, unit: str, named: list[tuple[str, torch.nn.Parameter]]) -> None:
+    def __init__(self, owner: Any, unit: str, named: list[tuple[str, torch.nn.Parameter]],
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None) -> None:
         world = owner.world
         self.owner, self.world, self.unit = owner, world, unit
         size, rank = world.size, world.rank
         first = named[0][1]
-        self.dtype, self.device = first.dtype, first.device
+        self.dtype, self.device = first.dtype, first.device  # the master shard's: the parameters' own
+        mixed = param_dtype is not None and first.is_floating_point()
+        self.compute_dtype = param_dtype if mixed else self.dtype  # the gathered whole parameters'
+        self.reduce_dtype = reduce_dtype if mixed and reduce_dtype is not None else self.compute_dtype
         self.offsets: list[int] = []
         at = 0
         for _, p in named:
@@ -51,48 +61,65 @@ class FlatShard:
         self.k = k = max(1, -(-at // size))
         lo = rank * k
         self.local = torch.zeros(k, dtype=self.dtype, device=self.device)  # the master shard
-        self.whole = torch.zeros(size * k, dtype=self.dtype, device=self.device)
+        self.whole = torch.zeros(size * k, dtype=self.compute_dtype, device=self.device)
         self.shards: list[ShardedTensor] = []  # nn.Parameters (``_is_param``), as DTensor parameters are
         self.wholes: list[torch.nn.Parameter] = []
         self.ranges: list[tuple[int, int]] = []  # each parameter's elements in this rank's chunk
         with torch.no_grad():
             for (name, p), off in zip(named, self.offsets, strict=True):
                 m = p.numel()
-                self.whole[off:off + m].copy_(p.detach().reshape(-1))
                 bounds = tuple((min(max(r * k - off, 0), m), min(max((r + 1) * k - off, 0), m))
                                for r in range(size))
                 a, b = bounds[rank]
                 self.ranges.append((a, b))
                 spec = ShardSpec(name, p.shape, unit, owner, a, b, bounds)
                 view = self.local[off + a - lo:off + b - lo] if b > a else self.local[:0]
+                view.copy_(p.detach().reshape(-1)[a:b])  # this rank's elements, in the parameter's dtype
                 shard = ShardedTensor(view, spec, requires_grad=p.requires_grad)
                 shard._is_param = True  # an nn.Parameter, as torch's own subclasses of it are
                 self.shards.append(shard)
                 self.wholes.append(torch.nn.Parameter(self.whole[off:off + m].view(p.shape),
                                                       requires_grad=p.requires_grad))
-            self.local.copy_(self.whole[lo:lo + k])
-        self.live = True  # the whole buffer holds the parameters (until free())
+        self.live = True
+        self.pending: Any = None  # a posted all-gather (start_gather), until finish_gather
+        self.free()  # only this rank's chunk is kept
 
     # -- the whole parameters -------------------------------------------------------
     @torch.no_grad()
     def gather(self) -> None:
-        """Every rank's chunk into the whole buffer (collective); the whole parameters hold the values.
-        Writing them is not a change autograd should see: a unit regathered for backward holds the
-        values its forward saved."""
+        """Every rank's chunk into the whole buffer (collective); the whole parameters hold the values."""
+        self.start_gather()
+        self.finish_gather()
+
+    @torch.no_grad()
+    def start_gather(self) -> None:
+        """Post the all-gather into the whole buffer (collective; :meth:`finish_gather` waits for it, so a
+        unit's gather can run while the one before it computes). Writing the buffer is not a change
+        autograd should see: a unit regathered for backward holds the values its forward saved."""
+        if self.pending is not None:
+            return
         world = self.world
-        storage = self.whole.untyped_storage()
         if not self.live:
-            storage.resize_(self.whole.numel() * self.whole.element_size())
+            self.whole.untyped_storage().resize_(self.whole.numel() * self.whole.element_size())
+            self.live = True
         with torch.autograd._unsafe_preserve_version_counter((self.whole, *self.wholes)):
             if world.size == 1:
                 self.whole.copy_(self.local)
-            else:
-                request = backend_call(world, self.owner.call, world.backend.iallgather_into, self.local, self.whole)
-                backend_call(world, self.owner.call, request.wait, world.timeout)
-        self.live = True
+                return
+            send = self.local if self.compute_dtype == self.dtype else self.local.to(self.compute_dtype)
+            self.pending = backend_call(world, self.owner.call, world.backend.iallgather_into, send, self.whole)
+
+    @torch.no_grad()
+    def finish_gather(self) -> None:
+        """Wait for the all-gather :meth:`start_gather` posted (nothing when none is pending)."""
+        request, self.pending = self.pending, None
+        if request is not None:
+            with torch.autograd._unsafe_preserve_version_counter((self.whole, *self.wholes)):
+                backend_call(self.world, self.owner.call, request.wait, self.world.timeout)
 
     def free(self) -> None:
         """Release the whole buffer's memory (the whole parameters keep their shapes, without data)."""
+        self.finish_gather()
         if self.live:
             self.whole.untyped_storage().resize_(0)
             self.live = False
@@ -114,7 +141,7 @@ class FlatShard:
         the shards' ``.grad``; the wholes' ``.grad`` are released. A parameter no rank had a gradient
         for keeps its shard's ``.grad`` unchanged (None: the optimizer skips it, as it would the whole)."""
         world, size = self.world, self.world.size
-        send = torch.zeros(size * self.k, dtype=self.dtype, device=self.device)
+        send = torch.zeros(size * self.k, dtype=self.reduce_dtype, device=self.device)
         seen = torch.zeros(len(self.wholes), dtype=torch.float32, device=self.device)
         for j, (w, off) in enumerate(zip(self.wholes, self.offsets, strict=True)):
             if w.grad is not None:
@@ -129,10 +156,10 @@ class FlatShard:
             tail = backend_call(world, call, world.backend.iallreduce, seen, "sum", True)
             chunk = backend_call(world, call, scatter.wait, world.timeout)
             backend_call(world, call, tail.wait, world.timeout)
-            if chunk.dtype != self.dtype:
-                chunk = chunk.to(self.dtype)
-            if average:
-                chunk.div_(size)
+        if chunk.dtype != self.dtype:  # reduced in 16 bits (reduce_dtype): the master shard's dtype
+            chunk = chunk.to(self.dtype)
+        if average and size > 1:
+            chunk.div_(size)
         lo = world.rank * self.k
         for j, (shard, off) in enumerate(zip(self.shards, self.offsets, strict=True)):
             if seen[j].item() == 0:

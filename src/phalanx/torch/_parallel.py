@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from .._errors import InvalidArgumentError, UsageError
 from .._groups import Group, world_for
+from .._objects import broadcast_object
 from .._sync import synchronize
 from ._bucket import GradientBuckets
 from ._common import Compression, GradientOp, backend_call, check_options, verify_same_structure
@@ -138,6 +139,13 @@ class DataParallel(EngineOwner, torch.nn.Module):
             (default: each element of the model's ``nn.ModuleList``s, else each
             direct child); parameters no unit holds alone (tied ones) are
             gathered with the whole model.
+        param_dtype, reduce_dtype: with ``shard="parameters"``, mixed
+            precision: each gathered unit is a ``param_dtype`` copy (e.g.
+            ``torch.bfloat16``; floating-point inputs are cast to it), its
+            gradients are reduce-scattered in ``reduce_dtype`` (default
+            ``param_dtype``; ``torch.float32`` for exact sums), and the shards,
+            their gradients and the optimizer state stay in the parameters'
+            own dtype (float32 master weights). None (default): no casts.
         reshard_after_forward: with ``shard="parameters"``, free each unit
             after its forward (default True) or keep it until its backward
             (one all-gather less per unit, more memory).
@@ -155,7 +163,8 @@ class DataParallel(EngineOwner, torch.nn.Module):
                  compression: Compression | None = None, broadcast_buffers: bool = True,
                  nonfinite: NonFinitePolicy | None = None, check_steps: bool | None = None,
                  group: Group | None = None, shard: Literal["optimizer", "gradients", "parameters"] | None = None,
-                 units: Any = None, reshard_after_forward: bool = True) -> None:
+                 units: Any = None, reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self._sharding: Sharding | None = None
         self._params: ParamShards | None = None
@@ -167,8 +176,14 @@ class DataParallel(EngineOwner, torch.nn.Module):
         self._world = world_for(group, _CALL)
         self._require_sync = True
         if shard == "parameters":
-            self._init_parameters(module, op, nonfinite, group, units, reshard_after_forward)
+            self._init_parameters(module, op, nonfinite, group, units, reshard_after_forward, param_dtype,
+                                  reduce_dtype)
             return
+        if param_dtype is not None or reduce_dtype is not None:
+            raise InvalidArgumentError(
+                f"phalanx.{_CALL}(param_dtype={param_dtype}, reduce_dtype={reduce_dtype}): mixed precision with "
+                f"float32 master weights shards the parameters; use shard='parameters' (got shard={shard!r}), "
+                "or compression='bf16' to reduce 16-bit gradients.")
         if units is not None:
             raise InvalidArgumentError(f"phalanx.{_CALL}(units=...): units are what shard='parameters' gathers "
                                        f"together; with shard={shard!r} every parameter stays whole. Use "
@@ -197,7 +212,8 @@ class DataParallel(EngineOwner, torch.nn.Module):
                 weakref.finalize(self, hook.remove)
 
     def _init_parameters(self, module: torch.nn.Module, op: GradientOp, nonfinite: Any, group: Group | None,
-                         units: Any, reshard_after_forward: bool) -> None:
+                         units: Any, reshard_after_forward: bool, param_dtype: torch.dtype | None,
+                         reduce_dtype: torch.dtype | None) -> None:
         """shard="parameters": every parameter sharded, gathered unit by unit (``_param_shards.py``)."""
         if op != "avg" or nonfinite is not None:
             raise InvalidArgumentError(
@@ -207,12 +223,19 @@ class DataParallel(EngineOwner, torch.nn.Module):
         named = list(module.named_parameters())
         verify_same_structure(_CALL, [f"{n}: {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
                                       for n, p in named], group=group)
-        with torch.no_grad():
-            synchronize(module, root=0, group=group)  # rank 0's parameters and buffers
+        self._engine = None  # type: ignore[assignment]
+        if any(p.is_meta for _, p in named):  # built on the meta device: materialized unit by unit
+            with torch.random.fork_rng(devices=[]):  # from rank 0's generator: the same values at every N
+                torch.set_rng_state(broadcast_object(torch.get_rng_state(), root=0, allow_pickle=True, group=group))
+                self._params = ParamShards(module, units, self._world, group, _CALL, reshard_after_forward,
+                                           param_dtype, reduce_dtype)
+        else:
+            with torch.no_grad():
+                synchronize(module, root=0, group=group)  # rank 0's parameters and buffers
+            self._params = ParamShards(module, units, self._world, group, _CALL, reshard_after_forward,
+                                       param_dtype, reduce_dtype)
         buffers = list(module.buffers())
         self._pack = _BufferPack(buffers) if buffers and self._world.size > 1 else None
-        self._engine = None  # type: ignore[assignment]
-        self._params = ParamShards(module, units, self._world, group, _CALL, reshard_after_forward)
 
     @contextlib.contextmanager
     def full_parameters(self) -> Iterator[None]:

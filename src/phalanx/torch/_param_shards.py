@@ -36,7 +36,9 @@ import torch
 
 from .._errors import InvalidArgumentError
 from ._flat_shard import FlatShard
+from ._materialize import materialize
 from ._shard_tensor import ShardedTensor, ShardOwner
+from ._unit_order import UnitOrder
 
 __all__ = ["ParamShards", "pick_units"]
 
@@ -47,13 +49,11 @@ def pick_units(call: str, root: torch.nn.Module, units: Any) -> list[tuple[str, 
     """The modules of ``root`` gathered as units, as (name, module) in module order.
 
     ``units``: module classes (every instance is a unit), a callable picking modules, or None: the
-    default policy, every element of an ``nn.ModuleList`` (a transformer's blocks) if the model has
-    one, else every direct child of the model."""
+    default policy, every element of an ``nn.ModuleList`` (a transformer's blocks) and every other
+    module with parameters beside the path to one (the embeddings, the final norm, the output
+    layer); in a model without a ModuleList, every direct child with parameters."""
     if units is None:
-        lists = [(n, m) for n, m in root.named_modules() if isinstance(m, torch.nn.ModuleList)]
-        if lists:
-            return [(f"{n}.{i}" if n else str(i), child) for n, m in lists for i, child in enumerate(m)]
-        return list(root.named_children())
+        return _default_units(root)
     if isinstance(units, (list, tuple)):
         if not units or not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in units):
             raise InvalidArgumentError(
@@ -64,6 +64,26 @@ def pick_units(call: str, root: torch.nn.Module, units: Any) -> list[tuple[str, 
     if callable(units):
         return [(n, m) for n, m in root.named_modules() if m is not root and units(m)]
     raise InvalidArgumentError(f"phalanx.{call}(units={units!r}): give module classes, a callable, or None.")
+
+
+def _default_units(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    holds_list = {id(m) for _, m in root.named_modules()
+                  if any(isinstance(c, torch.nn.ModuleList) for c in m.modules())}
+    picked: list[tuple[str, torch.nn.Module]] = []
+
+    def visit(module: torch.nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            if isinstance(child, torch.nn.ModuleList):
+                for i, block in enumerate(child):
+                    if next(block.parameters(), None) is not None:
+                        picked.append((f"{prefix}{name}.{i}", block))
+            elif id(child) in holds_list:
+                visit(child, f"{prefix}{name}.")
+            elif next(child.parameters(), None) is not None:
+                picked.append((f"{prefix}{name}", child))
+
+    visit(root, "")
+    return picked
 
 
 class _Unit:
@@ -91,13 +111,17 @@ class ParamShards(ShardOwner):
     """Every parameter of ``module`` sharded across ``world``'s ranks, gathered unit by unit."""
 
     def __init__(self, module: torch.nn.Module, units: Any, world: Any, group: Any, call: str,
-                 reshard_after_forward: bool = True) -> None:
+                 reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         self.world, self.group, self.call = world, group, call
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.device = _device(world)  # where a model built on the meta device is materialized
         self.reshard_after_forward = bool(reshard_after_forward)
         self.sync = True  # False inside no_sync(): gradients accumulate in the wholes, unreduced
         self.generation = 0
         self._callback_queued = False
         self._suspended = False  # inside whole(): the hooks stand aside
+        self._forward_order, self._backward_order = UnitOrder(), UnitOrder()  # what to prefetch
         picked = pick_units(call, module, units)
         self.units = [_Unit(n, m) for n, m in picked]
         self.root = _Unit("", module)
@@ -112,7 +136,6 @@ class ParamShards(ShardOwner):
                     w.requires_grad_(True)
                     w.register_post_accumulate_grad_hook(self._hook_accumulated(unit))
                     w.requires_grad_(not frozen)
-            self._free(unit)
 
     @property
     def all_units(self) -> list[_Unit]:
@@ -146,26 +169,39 @@ class ParamShards(ShardOwner):
             if id(p) not in owner:
                 owner[id(p)] = unit if len(holders[id(p)]) == 1 else self.root
                 members[id(owner[id(p)])].append(p)
-        made: dict[int, tuple[ShardedTensor, torch.nn.Parameter]] = {}
-        for unit in self.all_units:
+        by_unit: dict[int, list[tuple[torch.nn.Module, str, torch.nn.Parameter]]] = {id(u): [] for u in self.all_units}
+        for module, attr, p, _ in slots:
+            by_unit[id(owner[id(p)])].append((module, attr, p))
+        for unit in self.all_units:  # one unit at a time: built on the meta device, only it is ever whole
+            mine = members[id(unit)]
+            if any(p.is_meta for p in mine):
+                made = materialize(self.call, by_unit[id(unit)], self.device)
+                for old_id, p in made.items():
+                    names[id(p)] = names[old_id]
+                mine = list(made.values())
             groups: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
-            for p in members[id(unit)]:
+            for p in mine:
                 groups.setdefault((p.dtype, p.device), []).append(p)
+            pairs: dict[int, tuple[ShardedTensor, torch.nn.Parameter]] = {}
             for params in groups.values():
-                flat = FlatShard(self, unit.name, [(names[id(p)], p) for p in params])
+                flat = FlatShard(self, unit.name, [(names[id(p)], p) for p in params], self.param_dtype,
+                                 self.reduce_dtype)
                 unit.flats.append(flat)
                 for p, shard, w in zip(params, flat.shards, flat.wholes, strict=True):
-                    made[id(p)] = (shard, w)
-        for module, attr, p, _ in slots:
-            shard, w = made[id(p)]
-            owner[id(p)].slots.append((module, attr, shard, w))
-            module._parameters[attr] = shard  # type: ignore[assignment]  # an nn.Parameter (_is_param)
+                    pairs[id(p)] = (shard, w)
+            for module, attr, _ in by_unit[id(unit)]:
+                shard, w = pairs[id(module._parameters[attr])]  # (the materialized one, if it was on meta)
+                unit.slots.append((module, attr, shard, w))
+                module._parameters[attr] = shard  # type: ignore[assignment]  # an nn.Parameter (_is_param)
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         """``module(*args, **kwargs)`` with the root unit gathered around it (a new step)."""
         self.generation += 1
+        self._forward_order.begin()
         self._pre_forward(self.root)
+        if self.param_dtype is not None:  # floating-point inputs in the compute dtype, as FSDP2 casts them
+            args, kwargs = _cast(self.param_dtype, (args, kwargs))
         try:
             out = module(*args, **kwargs)
         except BaseException:
@@ -176,12 +212,22 @@ class ParamShards(ShardOwner):
 
     def _pre_forward(self, unit: _Unit) -> None:
         if unit.generation != self.generation or not unit.live:
-            self._gather(unit)
-            unit.generation = self.generation
-            unit.expected, unit.fired = set(), set()
+            self._start(unit)
         for flat in unit.flats:
+            flat.finish_gather()
             flat.follow_requires_grad()
         unit.install(whole=True)
+        if unit is not self.root:
+            nxt = self._forward_order.step(unit)
+            if nxt is not None and (nxt.generation != self.generation or not nxt.live):
+                self._start(nxt)  # prefetched: its gather runs while this unit computes
+
+    def _start(self, unit: _Unit) -> None:
+        """Post the unit's gather for this step's forward."""
+        for flat in unit.flats:
+            flat.start_gather()
+        unit.generation = self.generation
+        unit.expected, unit.fired = set(), set()
 
     def _post_forward(self, unit: _Unit, out: Any) -> None:
         unit.install(whole=False)
@@ -214,8 +260,15 @@ class ParamShards(ShardOwner):
             if not self._callback_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
                 self._callback_queued = True
-            if not unit.live:
-                self._gather(unit)
+                self._backward_order.begin()
+            for flat in unit.flats:
+                if not flat.live:  # freed after forward: regathered for backward
+                    flat.start_gather()
+                flat.finish_gather()
+            nxt = self._backward_order.step(unit)
+            if nxt is not None and not nxt.live:
+                for flat in nxt.flats:  # prefetched: its gather runs while this unit's backward computes
+                    flat.start_gather()
         return hook
 
     def _hook_accumulated(self, unit: _Unit) -> Callable[[torch.Tensor], None]:
@@ -279,6 +332,19 @@ class ParamShards(ShardOwner):
     def shards(self) -> list[ShardedTensor]:
         """Every sharded parameter, in unit order."""
         return [s for u in self.all_units for f in u.flats for s in f.shards]
+
+
+def _device(world: Any) -> torch.device:
+    """This rank's device: its GPU on nccl, else the CPU."""
+    if world.backend.name == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _cast(dtype: torch.dtype, tree: Any) -> Any:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
