@@ -45,6 +45,9 @@ def export_safetensors(path: str | os.PathLike[str], model: torch.nn.Module) -> 
     Arguments:
         path: the file to write (replaced atomically).
         model: a :class:`DataParallel` (any ``shard``) or a plain module.
+
+    Returns:
+        the path written.
     """
     from .._world import rank
 
@@ -85,6 +88,9 @@ def load_safetensors(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
     Arguments:
         path: a file written by :func:`export_safetensors` (or any safetensors file of these dtypes).
+
+    Raises:
+        CheckpointError: the file is not in the safetensors format.
     """
     with open(os.fspath(path), "rb") as f:
         data = f.read()

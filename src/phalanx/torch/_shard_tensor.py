@@ -51,6 +51,9 @@ class ShardSpec:
         start: the first element of the flattened parameter this rank holds.
         stop: one past the last (``start == stop``: this rank holds none).
         bounds: every rank's ``(start, stop)``, in rank order.
+
+    Raises:
+        nothing: it is a record; :func:`shard_of` returns it for a sharded tensor.
     """
 
     name: str
@@ -81,6 +84,10 @@ class ShardedTensor(torch.Tensor):
         local: this rank's elements (1-D, ``spec.stop - spec.start`` of them).
         spec: the :class:`ShardSpec` saying which parameter and which elements.
         requires_grad: whether it is a trainable parameter.
+
+    Raises:
+        UsageError: an operation that needs the other ranks' elements (a view, a matrix product, a sum),
+            naming the operation and the parameter.
     """
 
     _local: torch.Tensor
@@ -155,6 +162,9 @@ def shard_of(t: Any) -> ShardSpec | None:
 
     Arguments:
         t: any object; a :class:`ShardedTensor` gives its spec.
+
+    Returns:
+        the spec, or None.
     """
     return t._spec if isinstance(t, ShardedTensor) else None
 
