@@ -165,11 +165,23 @@ def worker(args: argparse.Namespace) -> None:
         t = time.perf_counter()
         step()
         times.append(time.perf_counter() - t)
+    train_peak = max(sampler.peak, rss())
+    save_peak = 0
+    if args.save and args.variant.startswith("parameters"):  # a sharded checkpoint and the export, after training
+        import shutil
+
+        sampler.reset()
+        where = phalanx.broadcast_object(tempfile.mkdtemp(), root=0, allow_pickle=True)
+        pt.save_sharded(os.path.join(where, "ckpt"), model, opt)
+        pt.export_safetensors(os.path.join(where, "model.safetensors"), model)
+        save_peak = max(sampler.peak, rss()) - base
+        phalanx.barrier()
+        if phalanx.rank() == 0:
+            shutil.rmtree(where)
     sampler.running = False
     sampler.join()
-    train_peak = max(sampler.peak, rss())
     row = {"rank": phalanx.rank(), "train_peak": train_peak - base, "whole_run_peak": max(whole_run, train_peak) - base,
-           "step_s": statistics.median(times), "params": params}
+           "step_s": statistics.median(times), "params": params, "save_peak": save_peak}
     rows = phalanx.allgather_object(row, allow_pickle=True)
     if phalanx.rank() == 0:
         with open(args.out, "w") as f:
@@ -181,7 +193,7 @@ def run_world(args: argparse.Namespace, n: int, variant: str) -> dict[str, Any] 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         inner = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", variant, "--out", out,
-                 "--steps", str(args.steps)]
+                 "--steps", str(args.steps), *(["--save"] if args.save else [])]
         cmd = [sys.executable, "-m", "phalanx", "run", "-n", str(n), "--backend", "gloo", "--timeout", "600", *inner]
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800,
@@ -194,7 +206,8 @@ def run_world(args: argparse.Namespace, n: int, variant: str) -> dict[str, Any] 
     return {"ranks": n, "variant": variant, "params": rows[0]["params"],
             "train_peak_mib": max(r["train_peak"] for r in rows) / MIB,
             "whole_run_peak_mib": max(r["whole_run_peak"] for r in rows) / MIB,
-            "step_ms": max(r["step_s"] for r in rows) * 1e3, "rows": rows}
+            "step_ms": max(r["step_s"] for r in rows) * 1e3, "rows": rows,
+            "save_peak_mib": max(r.get("save_peak", 0) for r in rows) / MIB}
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -218,6 +231,9 @@ def main() -> None:
     parser.add_argument("--ranks", default="2,4", help="world sizes, comma-separated (default 2,4)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="variants, comma-separated")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after 2 warm-up steps (default 3)")
+    parser.add_argument("--save", action="store_true",
+                        help="after the timed steps, the parameter-sharded variants write a sharded checkpoint and "
+                             "the safetensors export: their peak (minus the base) is save_peak_mib")
     parser.add_argument("--json", help="write every result here")
     args = parser.parse_args()
     if args.worker:
@@ -230,7 +246,8 @@ def main() -> None:
             if result is not None:
                 results.append(result)
                 print(f"N={n} {variant}: training peak {result['train_peak_mib']:.0f} MiB, whole run "
-                      f"{result['whole_run_peak_mib']:.0f} MiB, {result['step_ms']:.0f} ms/step", flush=True)
+                      f"{result['whole_run_peak_mib']:.0f} MiB, {result['step_ms']:.0f} ms/step, saving "
+                      f"{result['save_peak_mib']:.0f} MiB", flush=True)
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:

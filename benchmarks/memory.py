@@ -124,7 +124,8 @@ def worker(args: argparse.Namespace) -> None:
         step()
     peak = sampler.stop()
     inner = opt.optim if args.variant == "torch-zero" else opt.optimizer
-    state = sum(v.numel() * v.element_size() for s in inner.state.values() for v in s.values()
+    local = [v.to_local() if hasattr(v, "to_local") else v for s in inner.state.values() for v in s.values()]
+    state = sum(v.numel() * v.element_size() for v in local  # a sharded entry: this rank's elements
                 if isinstance(v, torch.Tensor) and v.dim() > 0)
     times = []
     for _ in range(args.steps):

@@ -71,7 +71,7 @@ def export_safetensors(path: str | os.PathLike[str], model: torch.nn.Module) -> 
         for t in state.values():
             whole = t.full_tensor() if isinstance(t, ShardedTensor) else t.detach()  # collective when sharded
             if f is not None:
-                f.write(whole.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+                f.write(whole.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)  # no copy
             del whole
     except BaseException as exc:
         if writer is not None:

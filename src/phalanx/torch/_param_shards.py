@@ -110,6 +110,8 @@ class _Unit:
 class ParamShards(ShardOwner):
     """Every parameter of ``module`` sharded across ``world``'s ranks, gathered unit by unit."""
 
+    private_storage = True  # each shard views its unit's chunk, which holds this rank's elements only
+
     def __init__(self, module: torch.nn.Module, units: Any, world: Any, group: Any, call: str,
                  reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None) -> None:

@@ -134,6 +134,7 @@ class ShardOwner:
 
     world: Any
     group: Any
+    private_storage = False  # True: a local's storage holds only this rank's elements (saved without a copy)
 
     def allreduce_norms(self, part: torch.Tensor, op: Literal["sum", "max"]) -> torch.Tensor:
         """``part`` (this rank's contributions to some norms) combined over the ranks (collective)."""

@@ -115,7 +115,8 @@ def save_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
     for key, value in _entries(model, optimizer).items():
         if isinstance(value, ShardedTensor):
             spec = value._spec
-            mine[key] = value.to_local().detach().clone()
+            local = value.to_local().detach()  # torch.save writes a storage once, however many views share it:
+            mine[key] = local if spec.owner.private_storage else local.clone()  # a slice of a whole: copied
             layout[key] = {"shape": list(spec.shape), "dtype": str(value.dtype)[6:],
                            "pieces": [[_file(q), a, b] for q, (a, b) in enumerate(spec.bounds) if b > a]}
         elif isinstance(value, torch.Tensor):
