@@ -386,3 +386,37 @@ def _(r: int, n: int) -> None:
         ref = pt.DataParallel(ref_model, shard="parameters", units=[Block])  # float32 throughout
     want = losses(ref, adamw(torch, ref, 1e-6))
     assert abs(got[-1] - want[-1]) <= 1e-2 * abs(want[-1]), f"loss after 10 steps {got[-1]}, reference {want[-1]}"
+
+
+@PARAMS.behaviour("parameters-buffers-in-a-unit-are-kept-and-broadcast-and-a-compiled-unit-is-refused-by-name")
+def _(r: int, n: int) -> None:
+    torch, pt, r, n = _setup()
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+        def forward(self, x: Any) -> Any:
+            return self.bn(self.fc(x))
+
+    torch.manual_seed(3)
+    model = nn.Sequential(Block(), Block()).double()
+    ref = nn.Sequential(Block(), Block()).double()
+    ref.load_state_dict(model.state_dict())
+    dp = pt.DataParallel(model, shard="parameters", units=[Block])
+    x = torch.randn(2 * n, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # each training forward starts from rank 0's statistics (broadcast), as DDP's
+        dp(x[2 * r:2 * r + 2]).sum().backward()
+        ref(x[:2]).sum().backward()  # what rank 0 computes
+    state, want = dp.state_dict(), ref.state_dict()
+    assert state["module.0.bn.num_batches_tracked"].item() == 2, state["module.0.bn.num_batches_tracked"]
+    if r == 0:
+        for name in ("0.bn.running_mean", "1.bn.running_var"):
+            assert state[f"module.{name}"].equal(want[name]), f"{name}: {state[f'module.{name}']}, {want[name]}"
+    torch.manual_seed(3)
+    compiled = nn.Sequential(Block(), Block())
+    compiled[1].compile()
+    with raises(phalanx.UsageError, "a compiled unit was accepted", match="module 1 .*torch.compile"):
+        pt.DataParallel(compiled, shard="parameters", units=[Block])

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidArgumentError
+from .._errors import InvalidArgumentError, UsageError
 from ._flat_shard import FlatShard
 from ._materialize import materialize
 from ._shard_tensor import ShardedTensor, ShardOwner
@@ -125,6 +125,7 @@ class ParamShards(ShardOwner):
         self._suspended = False  # inside whole(): the hooks stand aside
         self._forward_order, self._backward_order = UnitOrder(), UnitOrder()  # what to prefetch
         picked = pick_units(call, module, units)
+        _refuse_compiled(call, module)
         self.units = [_Unit(n, m) for n, m in picked]
         self.root = _Unit("", module)
         self._layout(module)
@@ -334,6 +335,18 @@ class ParamShards(ShardOwner):
     def shards(self) -> list[ShardedTensor]:
         """Every sharded parameter, in unit order."""
         return [s for u in self.all_units for f in u.flats for s in f.shards]
+
+
+def _refuse_compiled(call: str, root: torch.nn.Module) -> None:
+    """UsageError naming the first module compiled with torch.compile: its graph would run the whole
+    parameters without the units' gather and free hooks (untested: refused rather than risked)."""
+    for name, m in root.named_modules():
+        if type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None:
+            raise UsageError(
+                f"phalanx.{call}(shard='parameters'): the module {name or '(the model)'} "
+                f"({type(m).__name__}) is compiled with torch.compile, whose graphs phalanx does not yet gather "
+                "units for. Compile after training, or use shard='gradients' (whole parameters) with a compiled "
+                "model.")
 
 
 def _device(world: Any) -> torch.device:
