@@ -358,9 +358,17 @@ def _(w: World) -> None:
     _stopped_by_sigterm(w, "gradients", "-sharded")
 
 
-@RESUME_WRITE.behaviour("parameter-sharded-run-stopped-by-sigterm-writes-a-whole-checkpoint")
+@RESUME_WRITE.behaviour("parameter-sharded-run-stopped-by-sigterm-writes-its-shards-beside-each-checkpoint")
 def _(w: World) -> None:
     _stopped_by_sigterm(w, "parameters", "-params")
+    if w.rank != 0:  # rank 0 prunes after each save: its listing is the settled one
+        return
+    names = sorted(os.listdir(os.path.join(w.tmp, "ckpt-params")))
+    files = [n for n in names if n.endswith(".pt")]
+    shards = [n for n in names if n.endswith(".pt.shards")]
+    assert shards == [f + ".shards" for f in files] and files, f"checkpoint files and shard directories: {names}"
+    inside = sorted(os.listdir(os.path.join(w.tmp, "ckpt-params", shards[-1])))
+    assert inside == ["manifest.json"] + [f"rank-{q:05d}.pt" for q in range(w.size)], inside
 
 
 def _stopped_by_sigterm(w: World, shard: str | None, sub: str) -> None:

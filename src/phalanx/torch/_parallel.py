@@ -237,6 +237,12 @@ class DataParallel(EngineOwner, torch.nn.Module):
         buffers = list(module.buffers())
         self._pack = _BufferPack(buffers) if buffers and self._world.size > 1 else None
 
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether every rank keeps only its part of the parameters (``shard="parameters"``): then the
+        whole state exists on no rank, and checkpoints should be written with ``save_sharded``."""
+        return self._params is not None
+
     @contextlib.contextmanager
     def full_parameters(self) -> Iterator[None]:
         """Inside, ``model.module`` holds every parameter whole (collective on entry: each unit is

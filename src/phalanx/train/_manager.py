@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -59,6 +60,7 @@ class CheckpointManager:
         self.prefix = prefix
         self._complete = re.compile(rf"{re.escape(prefix)}-(\d{{9,}})\.pt")
         self._temporary = re.compile(rf"\.{re.escape(prefix)}-\d+\.pt\.tmp-\d+")
+        self._shards = re.compile(rf"({re.escape(prefix)}-\d{{9,}}\.pt)\.shards(?:\.(?:tmp|old)-[0-9a-f]+)?")
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory!r}, keep={self.keep!r}, prefix={self.prefix!r})"
@@ -88,9 +90,18 @@ class CheckpointManager:
         except OSError:
             names = []
         doomed += [os.path.join(self.directory, n) for n in names if self._temporary.fullmatch(n)]
+        # a parameter-sharded checkpoint's shard directory goes with its file; one whose file was never
+        # written (a save that stopped before its commit) goes too
+        kept = {os.path.basename(p) for p in self.paths() if p not in doomed}
+        doomed += [os.path.join(self.directory, n) for n in names
+                   if (m := self._shards.fullmatch(n)) and m.group(1) not in kept
+                   and os.path.join(self.directory, n) != just_saved + ".shards"]
         for path in doomed:
             try:
-                os.remove(path)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
             except FileNotFoundError:
                 pass
             except OSError as exc:

@@ -6,25 +6,46 @@ import os
 import warnings
 from typing import Any
 
+import torch
+
 from .._errors import CheckpointError
 from ._checkpoint import load_checkpoint
 from ._history import History
 from ._progress import RunState
 from ._state import capture_state, restore_state
 
-__all__ = ["capture", "resume"]
+__all__ = ["SHARDS", "capture", "resume"]
+
+SHARDS = ".shards"  # a parameter-sharded run's checkpoint: <name>.pt and the directory <name>.pt.shards
 
 
-def capture(run: RunState) -> dict[str, Any]:
-    """The state of ``run`` at its current step (collective)."""
+def capture(run: RunState, path: str) -> dict[str, Any]:
+    """The state of ``run`` at its current step (collective), for the checkpoint file ``path``.
+
+    With ``shard="parameters"`` no rank assembles the model or the optimizer: each rank writes its
+    shards to the directory ``<path>.shards`` first (``save_sharded``), and the state names it; the
+    file itself, written after, commits the two."""
     from ..torch._sharded import whole_state  # a sharded optimizer's state is saved whole
 
     g = run.geometry
     progress = {**run.progress.position(), "world_size": g.ranks, "replicas": g.replicas,
                 "batch_size": g.batch_size, "accumulate": g.accumulate, "global_batch": g.step_samples,
                 "skipped": run.policy.skipped}
-    return capture_state(model=run.model, optimizer=whole_state(run.inner), scheduler=run.scheduler, scaler=run.scaler,
-                         progress=progress, extra={"history": run.history.to_json()})
+    extra = {"history": run.history.to_json()}
+    if not _sharded(run):
+        return capture_state(model=run.model, optimizer=whole_state(run.inner), scheduler=run.scheduler,
+                             scaler=run.scaler, progress=progress, extra=extra)
+    from ..torch import save_sharded
+
+    save_sharded(path + SHARDS, run.model, run.inner)
+    state = capture_state(model=torch.nn.Module(), scheduler=run.scheduler, scaler=run.scaler, progress=progress,
+                          extra=extra)
+    state["sharded"] = os.path.basename(path) + SHARDS
+    return state
+
+
+def _sharded(run: RunState) -> bool:
+    return bool(getattr(run.model, "shards_parameters", False))
 
 
 def resume(run: RunState) -> bool:
@@ -38,8 +59,15 @@ def resume(run: RunState) -> bool:
     o = run.o
 
     def use(state: dict[str, Any]) -> dict[str, Any]:
-        progress = restore_state(state, model=run.model, optimizer=whole_state(run.inner), scheduler=run.scheduler,
-                                 scaler=run.scaler)
+        if "sharded" in state:  # the model and optimizer are in the shard directory beside the file
+            from ..torch import load_sharded
+
+            where = run.manager.directory if str(o.resume) == "latest" else os.path.dirname(str(o.resume))
+            load_sharded(os.path.join(where, state["sharded"]), run.model, run.inner)
+            progress = restore_state(state, model=torch.nn.Module(), scheduler=run.scheduler, scaler=run.scaler)
+        else:  # a whole state: into sharded parameters too, each rank keeping its elements
+            progress = restore_state(state, model=run.model, optimizer=whole_state(run.inner),
+                                     scheduler=run.scheduler, scaler=run.scaler)
         try:
             run.progress.restore(progress)
             run.policy.skipped = int(progress.get("skipped", 0))

@@ -389,7 +389,7 @@ class Run:
             return
         from ._resume import capture
 
-        self.checkpoint = self.manager.save(capture(self), at.global_step)
+        self.checkpoint = self.manager.save(capture(self, self.manager.path(at.global_step)), at.global_step)
         at.saved_at = at.global_step
 
     def _stop_name(self) -> str:
