@@ -42,36 +42,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
+from memory import MIB, Sampler, rss  # the same resident-set sampling as the MLP benchmark
+
 VARIANTS = ("replicated", "gradients", "parameters", "parameters-meta", "parameters-bf16", "fsdp2")
-PAGE = os.sysconf("SC_PAGE_SIZE")
-MIB = 2 ** 20
 VOCAB, SEQ, D, LAYERS, HEADS, BATCH = 32000, 128, 768, 12, 12, 2
-
-
-def rss() -> int:
-    with open("/proc/self/statm", "rb") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-class Sampler(threading.Thread):
-    """The highest resident set seen, sampled every millisecond until stopped."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak = rss()
-        self.running = True
-
-    def run(self) -> None:
-        while self.running:
-            self.peak = max(self.peak, rss())
-            time.sleep(0.001)
-
-    def reset(self) -> None:
-        self.peak = rss()
 
 
 def gpt(torch: Any) -> tuple[Any, Any]:
@@ -178,8 +155,7 @@ def worker(args: argparse.Namespace) -> None:
         phalanx.barrier()
         if phalanx.rank() == 0:
             shutil.rmtree(where)
-    sampler.running = False
-    sampler.join()
+    sampler.stop()
     row = {"rank": phalanx.rank(), "train_peak": train_peak - base, "whole_run_peak": max(whole_run, train_peak) - base,
            "step_s": statistics.median(times), "params": params, "save_peak": save_peak}
     rows = phalanx.allgather_object(row, allow_pickle=True)

@@ -67,6 +67,10 @@ class Sampler(threading.Thread):
             self.peak = max(self.peak, rss())
             time.sleep(0.001)
 
+    def reset(self) -> None:
+        """Start a new peak from the resident set now."""
+        self.peak = rss()
+
     def stop(self) -> int:
         self.running = False
         self.join()

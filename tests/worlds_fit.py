@@ -401,20 +401,17 @@ def _(w: World) -> None:
         assert os.path.getsize(os.path.join(w.tmp, "ckpt", "curves.png")) > 1000
 
 
-@RESUME_READ.behaviour("sharded-checkpoint-resumed-sharded-otherwise-equals-an-uninterrupted-run")
-def _(w: World) -> None:
-    m, h = _resume_run(w, w.ce, "latest", "optimizer", "-sharded")  # written with shard="gradients"
+def _resumed_equals_uninterrupted(w: World, shard: str, sub: str) -> None:
+    m, h = _resume_run(w, w.ce, "latest", shard, sub)
     assert h.summary["steps"] == 10 and h.stopped is None, h.summary
     ref = reference(w.torch, w.start, adam, w.ds, steps=10, make_sched=_step_lr)
-    assert same(w.torch, m, ref, tol=1e-7), "resumed sharded run differs from the uninterrupted one"
+    assert same(w.torch, m, ref, tol=1e-7), f"resumed from ckpt{sub} with shard={shard}: differs from uninterrupted"
 
 
-@RESUME_READ.behaviour("parameter-sharded-checkpoint-resumed-with-sharded-gradients-equals-an-uninterrupted-run")
-def _(w: World) -> None:
-    m, h = _resume_run(w, w.ce, "latest", "gradients", "-params")  # written with shard="parameters"
-    assert h.summary["steps"] == 10 and h.stopped is None, h.summary
-    ref = reference(w.torch, w.start, adam, w.ds, steps=10, make_sched=_step_lr)
-    assert same(w.torch, m, ref, tol=1e-7), "a run resumed from a parameter-sharded checkpoint differs"
+RESUME_READ.add("sharded-checkpoint-resumed-sharded-otherwise-equals-an-uninterrupted-run",
+                _resumed_equals_uninterrupted, "optimizer", "-sharded")  # written with shard="gradients"
+RESUME_READ.add("parameter-sharded-checkpoint-resumed-with-sharded-gradients-equals-an-uninterrupted-run",
+                _resumed_equals_uninterrupted, "gradients", "-params")  # written with shard="parameters"
 
 
 def resume(tmp: str, phase: str) -> dict[str, str | None]:

@@ -161,8 +161,9 @@ class FlatShard:
         if average and size > 1:
             chunk.div_(size)
         lo = world.rank * self.k
+        had = seen.tolist()  # one host synchronization, not one per parameter
         for j, (shard, off) in enumerate(zip(self.shards, self.offsets, strict=True)):
-            if seen[j].item() == 0:
+            if had[j] == 0:
                 continue
             a, b = self.ranges[j]
             part = chunk[off + a - lo:off + b - lo] if b > a else chunk[:0]

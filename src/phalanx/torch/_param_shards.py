@@ -42,8 +42,6 @@ from ._unit_order import UnitOrder
 
 __all__ = ["ParamShards", "pick_units"]
 
-Units = "list[type[torch.nn.Module]] | Callable[[torch.nn.Module], bool] | None"
-
 
 def pick_units(call: str, root: torch.nn.Module, units: Any) -> list[tuple[str, torch.nn.Module]]:
     """The modules of ``root`` gathered as units, as (name, module) in module order.

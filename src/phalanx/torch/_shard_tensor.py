@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._foreach_utils import _foreach_supported_types
 
 from .._errors import UsageError
 
@@ -312,6 +313,5 @@ _HANDLERS: dict[Any, Any] = {
 
 # torch's clip_grad_norm_ (and its foreach optimizers on GPUs) take one kernel for a list of these,
 # as for DTensor: one collective for all the norms instead of one per parameter.
-_foreach_types = __import__("torch.utils._foreach_utils", fromlist=["x"])._foreach_supported_types
-if ShardedTensor not in _foreach_types:
-    _foreach_types.append(ShardedTensor)
+if ShardedTensor not in _foreach_supported_types:
+    _foreach_supported_types.append(ShardedTensor)  # type: ignore[arg-type]  # (mypy: __new__ differs)

@@ -59,7 +59,9 @@ class Run:
         self.policy = FailurePolicy(on_nonfinite=o.on_nonfinite, on_oom=o.on_oom, max_skipped=o.max_skipped,
                                     rank=self.rank, size=self.size)
         if o.shard == "parameters":
-            self.model = model = _shard_parameters(model, optimizer, o.units)
+            from ._sharded_fit import shard_parameters
+
+            self.model = model = shard_parameters(model, optimizer, o.units)
         self._wrappers(optimizer)
         self.device = model_device(model)
         from ..torch import ShardedGradScaler  # torch's GradScaler, agreeing across ranks when sharded
@@ -396,32 +398,3 @@ class Run:
         name = self.stop_signal.signal_name if self.stop_signal is not None else None
         return name or "signal on another rank"
 
-
-def _shard_parameters(model: torch.nn.Module, optimizer: Any, units: Any) -> Any:
-    """``model`` wrapped in ``DataParallel(shard="parameters")``, and ``optimizer`` (made on the model's
-    parameters) moved onto the sharded parameters, found by name; state it already has is cut to this
-    rank's elements."""
-    from ..torch import DataParallel, DistributedOptimizer
-    from ..torch._shard_state import ShardedOptimizerState
-
-    if isinstance(model, DataParallel) or isinstance(optimizer, DistributedOptimizer):
-        raise InvalidArgumentError(
-            "phalanx.train.fit(shard='parameters'): pass the plain model and a plain torch optimizer made on "
-            "its parameters; fit wraps the model and moves the optimizer onto the sharded parameters itself.")
-    names = {id(p): n for n, p in model.named_parameters()}
-    missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
-    if missing:
-        raise InvalidArgumentError(
-            f"phalanx.train.fit(shard='parameters'): the optimizer updates {len(missing)} tensor(s) that are not "
-            "parameters of the model (shapes "
-            f"{[list(p.shape) for p in missing[:3]]}); make it on `model.parameters()`.")
-    whole = ShardedOptimizerState(optimizer).state_dict() if optimizer.state else None
-    order = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-    wrapped = DataParallel(model, shard="parameters", units=units)
-    shards = dict(model.named_parameters())  # the same names, now sharded
-    for group, group_names in zip(optimizer.param_groups, order, strict=True):
-        group["params"] = [shards[n] for n in group_names]
-    optimizer.state.clear()
-    if whole is not None:
-        ShardedOptimizerState(optimizer).load_state_dict(whole)
-    return wrapped
