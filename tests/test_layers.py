@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                                   "phalanx._gradients",
                                   "phalanx.jax._pytrees",  # phalanx.allreduce_gradients' JAX path
                                   "phalanx._sync_errors")),
-    ("torch/jax", ("phalanx.torch", "phalanx.torch.", "phalanx.jax", "phalanx.jax.")),
+    ("torch/jax", ("phalanx.torch", "phalanx.torch.", "phalanx.jax", "phalanx.jax.", "phalanx._torch_plugin")),
     ("train", ("phalanx.train", "phalanx.train.", "phalanx.examples", "phalanx.examples.")),
     ("launch", ("phalanx.launch", "phalanx.launch.")),
     ("horovod", ("phalanx.horovod", "phalanx.horovod.")),  # horovod.run starts jobs through the launcher

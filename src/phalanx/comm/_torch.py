@@ -28,7 +28,7 @@ from ._hier import build_hierarchy
 from ._shard_ops import TorchShardOps
 from ._store_queries import diagnose, node_ranks_from_store
 from ._torch_buffers import TorchBuffers
-from ._torchdist import TorchRequest, end_group, group_dist
+from ._torchdist import GroupDist, TorchRequest, end_group, group_dist
 from ._torchsetup import (
     Rendezvous,
     check_own_gpus,
@@ -94,7 +94,12 @@ class TorchBackend(TorchBuffers, TorchShardOps):
                 check_own_gpus(meeting, self.device)
             self._init_group(name, timeout, meeting)
         self.hierarchy = build_hierarchy(self, meeting.hosts, timeout) if meeting is not None else None
-        self._bind(dist, None)
+        if meeting is not None:  # its own group, named on every call: torch's default may become another
+            # (phalanx.torch.init_process_group makes the "phalanx" backend torch's default group)
+            world_group = dist.group.WORLD
+            self._bind(GroupDist(dist, world_group, tuple(range(self.size))), world_group)
+        else:
+            self._bind(dist, None)
 
     def _bind(self, dist: Any, group: Any) -> None:
         """Make every call through ``dist``: torch.distributed, or a group's view of it (``group``)."""
@@ -112,7 +117,7 @@ class TorchBackend(TorchBuffers, TorchShardOps):
     def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float) -> TorchBackend | None:
         """The backend of group ``ranks`` (world ranks) on a member, None elsewhere: this backend's
         device, store and options over the group's process group (see :meth:`Backend.subgroup`)."""
-        view = group_dist(self._dist, ranks, self.rank, timeout, self.device if self._nccl else None)
+        view = group_dist(self._dist, ranks, self.rank, timeout, self.device if self._nccl else None, self.name)
         if view is None:
             return None
         sub = copy.copy(self)  # the hierarchy stays the world's (it serves only the world: _hier)

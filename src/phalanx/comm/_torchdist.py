@@ -110,15 +110,27 @@ class GroupDist:
     def reduce_scatter_tensor(self, out: Any, send: Any, op: Any, async_op: bool = False) -> Any:
         return self._scatter_from(out, send, op, group=self.group, async_op=async_op)
 
+    def isend(self, t: Any, dst: int, tag: int = 0) -> Any:
+        return self._dist.isend(t, self._ranks[dst], group=self.group, tag=tag)
+
+    def irecv(self, t: Any, src: int, tag: int = 0) -> Any:
+        return self._dist.irecv(t, self._ranks[src], group=self.group, tag=tag)
+
 
 def group_dist(dist: Any, ranks: tuple[int, ...], rank: int, timeout: float,
-               device: Any = None) -> GroupDist | None:
+               device: Any = None, backend: str | None = None) -> GroupDist | None:
     """Make the process group of world ranks ``ranks`` (on every rank of the world, in the same
     order: torch numbers the groups in order); on a member, the group's view of ``dist``, else None.
 
-    ``device``: the nccl backend's GPU (bound to the group where torch allows it).
+    ``device``: the nccl backend's GPU (bound to the group where torch allows it). ``backend``:
+    the group's torch backend (None: the default group's; phalanx's own names "gloo"/"nccl",
+    since torch's default may be the "phalanx" backend by then).
     """
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout + max(30.0, timeout))}
+    if backend is not None:
+        kwargs["backend"] = backend
+    if isinstance(dist, GroupDist):  # the world's own view (phalanx made the group): torch.distributed itself
+        dist = dist._dist
     if device is not None and "device_id" in inspect.signature(dist.new_group).parameters:
         kwargs["device_id"] = device
     try:

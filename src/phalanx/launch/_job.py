@@ -87,6 +87,9 @@ class Launch:
                               "of seconds, e.g. --start-timeout 60.")
 
 
+ONE_HOST = "PHALANX_ONE_HOST"  # set by `phalanx run --backend mpi` when every rank runs on its host
+
+
 def all_local(job: Launch) -> bool:
     """True when every rank runs on this host (spawned ranks always do; MPI unless told otherwise)."""
     if job.backend != "mpi":

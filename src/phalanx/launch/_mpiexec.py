@@ -22,7 +22,7 @@ from typing import IO
 from .._errors import LaunchError
 from .._failure import RAISED_STATUS
 from . import _keeper as keeper
-from ._job import GRACE, Launch, Signals, all_local, worker_command
+from ._job import GRACE, ONE_HOST, Launch, Signals, all_local, worker_command
 from ._jobdir import any_record, marked_ranks, pid_files, read_records, read_statuses
 from ._logs import FileFollower, log_path, pump
 from ._mpi_deaths import HOST, RecordSink, Watch, can_watch_deaths, deaths_from
@@ -40,6 +40,7 @@ from ._mpi_flavor import (
 from ._mpi_hosts import host_args
 from ._procs import child_setup, descendants, kill_pids
 from ._report import failure_report, first_failure
+from ._spawn import free_port
 from ._start import StartClock
 
 __all__ = ["mpi_command", "run_mpi"]
@@ -62,6 +63,14 @@ def mpi_command(job: Launch, env: dict[str, str], job_dir: str) -> tuple[list[st
         ours.append("PHALANX_TIMEOUT")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # these would name the wrong rank
         env.pop(name, None)
+    # torch.distributed's env:// rendezvous (a script's init_process_group("phalanx")) reads these; the
+    # worker sets RANK and the rest per rank (_worker.torchrun_variables). Only such a script listens.
+    env.setdefault("MASTER_ADDR", "127.0.0.1" if all_local(job) or not job.hosts else job.hosts[0].name)
+    env.setdefault("MASTER_PORT", str(free_port()))
+    ours += ["MASTER_ADDR", "MASTER_PORT"]
+    if all_local(job):  # every rank here: a local rank is the rank (MPICH's forker sets no local rank)
+        env[ONE_HOST] = "1"
+        ours.append(ONE_HOST)
     if job.log_dir is not None:
         env["PHALANX_LOG_DIR"] = job.log_dir
         ours.append("PHALANX_LOG_DIR")

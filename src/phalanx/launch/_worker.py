@@ -39,6 +39,7 @@ from .._failure import (
     send_job_file,
 )
 from . import _keeper as keeper
+from ._job import ONE_HOST
 
 
 def _mpi() -> Any:
@@ -148,8 +149,36 @@ def _whole_lines() -> None:
             pass
 
 
+# torchrun's variables from an MPI launcher's (Open MPI's first, then MPICH/Hydra's and PMIx's)
+_FROM_MPI = {
+    "RANK": ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"),
+    "WORLD_SIZE": ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
+    "LOCAL_RANK": ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"),
+    "LOCAL_WORLD_SIZE": ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"),
+}
+
+
+def torchrun_variables(env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """Under ``phalanx run --backend mpi``: the ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` a script written for torchrun reads (nanoGPT's ``int(os.environ["RANK"])``),
+    from the MPI launcher's variables; those already set and those it cannot know are left out."""
+    if env.get("PHALANX_BACKEND") != "mpi":
+        return {}
+    found = {}
+    sources_of = dict(_FROM_MPI)
+    if env.get(ONE_HOST) == "1":  # every rank on one host: the local rank is the rank
+        sources_of["LOCAL_RANK"] += sources_of["RANK"]
+        sources_of["LOCAL_WORLD_SIZE"] += sources_of["WORLD_SIZE"]
+    for name, sources in sources_of.items():
+        value = next((env[s] for s in sources if env.get(s, "").isdigit()), None)
+        if value is not None and name not in env:
+            found[name] = value
+    return found
+
+
 def main() -> None:
     rank = env_rank()  # from the environment: needed before MPI is initialized
+    os.environ.update(torchrun_variables(os.environ))
     if os.environ.pop(keeper.ENV, None) and os.environ.get("PHALANX_JOB_DIR"):
         keeper.keep(os.environ["PHALANX_JOB_DIR"], rank)  # from here on: the rank, a child of its keeper
     _whole_lines()
