@@ -1,6 +1,7 @@
 """Per-rank memory and step time of a 134M-parameter GPT: replicated, ``shard="gradients"``,
 ``shard="parameters"`` (ZeRO-3; also built on the meta device, and with bf16 compute) and torch's FSDP2
-(``fully_shard`` per block, gloo), in one run.
+(``fully_shard`` per block, on gloo, and on the ``"phalanx"`` torch.distributed backend over MPI:
+``fsdp2-mpi``), in one run.
 
 ::
 
@@ -9,8 +10,8 @@
 The model is a GPT-2-small shape: 12 blocks, d=768, 12 heads, vocabulary
 32000, sequence 128, an untied output layer (134.0M float32 parameters),
 AdamW (lr 1e-4, weight decay 0.1), batch 2 per rank, one thread per rank,
-gloo (FSDP2 runs only on torch.distributed). One world (``phalanx run -n N
---backend gloo``) per (N, variant), fresh processes each. In every rank:
+gloo (``fsdp2-mpi``: mpi). One world (``phalanx run -n N --backend gloo``)
+per (N, variant), fresh processes each. In every rank:
 
 1. take the resident set (``/proc/self/statm``) before the model is built:
    the base; a sampling thread (every millisecond) records the highest
@@ -47,7 +48,7 @@ from typing import Any
 
 from memory import MIB, Sampler, rss  # the same resident-set sampling as the MLP benchmark
 
-VARIANTS = ("replicated", "gradients", "parameters", "parameters-meta", "parameters-bf16", "fsdp2")
+VARIANTS = ("replicated", "gradients", "parameters", "parameters-meta", "parameters-bf16", "fsdp2", "fsdp2-mpi")
 VOCAB, SEQ, D, LAYERS, HEADS, BATCH = 32000, 128, 768, 12, 12, 2
 
 
@@ -108,10 +109,12 @@ def worker(args: argparse.Namespace) -> None:
     else:
         net, Block = gpt(torch)
     params = sum(p.numel() for p in net.parameters())
-    if args.variant == "fsdp2":
+    if args.variant.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        if args.variant == "fsdp2-mpi":  # the same FSDP2 over MPI: the "phalanx" torch.distributed backend
+            pt.init_process_group()
         mesh = init_device_mesh("cpu", (phalanx.size(),))
         for block in net.h:
             fully_shard(block, mesh=mesh)
@@ -170,7 +173,8 @@ def run_world(args: argparse.Namespace, n: int, variant: str) -> dict[str, Any] 
         out = os.path.join(tmp, "rows.json")
         inner = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", variant, "--out", out,
                  "--steps", str(args.steps), *(["--save"] if args.save else [])]
-        cmd = [sys.executable, "-m", "phalanx", "run", "-n", str(n), "--backend", "gloo", "--timeout", "600", *inner]
+        backend = "mpi" if variant == "fsdp2-mpi" else "gloo"
+        cmd = [sys.executable, "-m", "phalanx", "run", "-n", str(n), "--backend", backend, "--timeout", "600", *inner]
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800,
                               env=env)

@@ -46,6 +46,7 @@ VARIANTS = [
     Variant("mpi/DataParallel", "mpi", "phalanx DataParallel, mpi"),
     Variant("mpi/DataParallel+bf16", "mpi", "phalanx DataParallel, mpi, bf16"),
     Variant("mpi/hand", "mpi", "hand loop: one fused mpi4py Allreduce"),
+    Variant("mpi/DDP", "mpi", "torch DDP on the 'phalanx' backend, mpi"),
     Variant("gloo/DistributedOptimizer", "gloo", "phalanx DistributedOptimizer, gloo"),
     Variant("gloo/DistributedOptimizer+bf16", "gloo", "phalanx DistributedOptimizer, gloo, bf16"),
     Variant("gloo/DataParallel", "gloo", "phalanx DataParallel, gloo"),
@@ -141,6 +142,8 @@ def make_step(key: str, model_name: str, width: int, x: Any, y: Any) -> tuple[Ca
             model = pt.DataParallel(model, compression=compression or None)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     elif kind == "DDP":
+        if key.startswith("mpi/"):  # torch.distributed over MPI: the "phalanx" backend as torch's default group
+            pt.init_process_group()
         model = torch.nn.parallel.DistributedDataParallel(model)
         if compression:
             model.register_comm_hook(*_ddp_hook(compression))

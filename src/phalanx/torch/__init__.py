@@ -27,6 +27,9 @@ from ._scaler import ShardedGradScaler
 from ._shard_tensor import ShardedTensor, ShardSpec, shard_of
 from ._sharded_checkpoint import load_sharded, save_sharded
 
+# torch.distributed's "phalanx" backend
+from ._pg_setup import init_process_group
+
 # SyncBatchNorm
 from ._syncbn import SyncBatchNorm, convert_sync_batchnorm
 
@@ -44,6 +47,7 @@ __all__ = [
     "SyncBatchNorm",
     "convert_sync_batchnorm",
     "export_safetensors",
+    "init_process_group",
     "load_safetensors",
     "load_sharded",
     "save_sharded",
