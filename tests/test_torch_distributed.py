@@ -7,12 +7,7 @@ docstring); the 2- and 3-rank worlds of a backend share a directory, so the
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 

@@ -5,7 +5,7 @@ of ``import torch`` (``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` turns that off);
 phalanx's (``pyproject.toml``) is :func:`autoload`, so a script written for
 torchrun needs only ``init_process_group("phalanx")``. Registering imports
 nothing of phalanx's torch adapter: the creator does, when a group is made
-(:mod:`phalanx.torch._pg_setup`).
+(:mod:`phalanx.torch._pg_create`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,6 @@ def autoload() -> None:
 
 
 def _create(opts: Any, backend_options: Any) -> Any:
-    from .torch._pg_setup import create
+    from .torch._pg_create import create
 
     return create(opts, backend_options)

@@ -16,6 +16,9 @@ from ._export import export_safetensors, load_safetensors
 # gradient reduction (DistributedOptimizer, DataParallel)
 from ._optimizer import DistributedOptimizer
 from ._parallel import DataParallel
+
+# torch.distributed's "phalanx" backend
+from ._pg_setup import init_process_group
 from ._powersgd import PowerSGD
 
 # in-process replicas (replicate, Replicas, withdevices)
@@ -26,9 +29,6 @@ from ._sampler import DistributedSampler, dataloader_context
 from ._scaler import ShardedGradScaler
 from ._shard_tensor import ShardedTensor, ShardSpec, shard_of
 from ._sharded_checkpoint import load_sharded, save_sharded
-
-# torch.distributed's "phalanx" backend
-from ._pg_setup import init_process_group
 
 # SyncBatchNorm
 from ._syncbn import SyncBatchNorm, convert_sync_batchnorm

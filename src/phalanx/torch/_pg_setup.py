@@ -1,9 +1,7 @@
-"""Making ``"phalanx"`` process groups: torch's creator, and ``phalanx.torch.init_process_group``.
+"""``phalanx.torch.init_process_group``: the ``"phalanx"`` backend as torch's default process group.
 
-The backend is registered at ``import torch`` (:mod:`phalanx._torch_plugin`) and
-again by :func:`init_process_group`. The creator joins (or starts) phalanx's
-world and returns a :class:`~phalanx.torch._process_group.PhalanxProcessGroup`
-bound to it.
+The backend is registered at ``import torch`` (:mod:`phalanx._torch_plugin`)
+and again here; torch's creator is :mod:`phalanx.torch._pg_create`.
 """
 
 from __future__ import annotations
@@ -12,51 +10,11 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from .._errors import UnsupportedArgumentError, UsageError
+from .._errors import UsageError
 from .._torch_plugin import NAME, register
 from .._world import current, current_or_none, init
-from ..comm._detect import detect_backend
 
-__all__ = ["create", "init_process_group"]
-
-_CALL = "torch.distributed.init_process_group('phalanx')"
-
-
-def create(opts: Any, backend_options: Any) -> Any:
-    """torch's creator: a PhalanxProcessGroup for the group torch is making (``opts``: its ranks)."""
-    from ._process_group import Binding, PhalanxProcessGroup
-
-    world = current_or_none()
-    if world is None:
-        world = _join_world(opts)
-    ranks = list(opts.global_ranks_in_group or range(opts.group_size))
-    if ranks != list(range(world.size)):
-        raise UnsupportedArgumentError(
-            f"torch.distributed.new_group(ranks={ranks}) on the 'phalanx' backend: only the whole world "
-            f"({world.size} ranks) is supported as a torch process group here; use phalanx.new_group for "
-            "groups, or one mesh dimension.")
-    if opts.group_size != world.size or opts.group_rank != world.rank:
-        raise UsageError(
-            f"{_CALL}: torch numbers this process rank {opts.group_rank} of {opts.group_size}, phalanx's "
-            f"world rank {world.rank} of {world.size}. Let phalanx pick them: call "
-            "phalanx.torch.init_process_group(), or pass no rank/world_size under phalanx run.")
-    return PhalanxProcessGroup(world.rank, world.size, Binding(None))
-
-
-def _join_world(opts: Any) -> Any:
-    """phalanx's world for a torch group made before ``phalanx.init``: init it now.
-
-    On gloo/nccl, torch's env:// rendezvous has just made rank 0 serve a store on
-    ``MASTER_PORT``, the port phalanx's own rendezvous would serve: phalanx's
-    ranks then meet in that store as clients, as under torchrun's agent.
-    """
-    if detect_backend() == "mpi" or "TORCHELASTIC_USE_AGENT_STORE" in os.environ:
-        return init()
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    try:
-        return init()
-    finally:
-        del os.environ["TORCHELASTIC_USE_AGENT_STORE"]
+__all__ = ["init_process_group"]
 
 
 def init_process_group(*, timeout: float | None = None) -> Any:

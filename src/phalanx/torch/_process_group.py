@@ -23,7 +23,7 @@ all-to-all).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ __all__ = ["Binding", "PhalanxProcessGroup"]
 
 NAME = "phalanx"
 _KINDS: Any = dist.ReduceOp.RedOpType  # what a ReduceOp is (SUM, AVG, ...): not in torch's stubs
-_C10D: Any = torch._C._distributed_c10d
+_Work: Any = dist._Work  # torch's stubs do not say it can be subclassed
 
 
 class Binding:
@@ -61,33 +61,61 @@ class Binding:
         self.group = group
 
 
-def _ops() -> dict[Any, Op]:
-    ops: Any = _KINDS
-    return {ops.SUM: "sum", ops.PRODUCT: "prod", ops.MIN: "min", ops.MAX: "max", ops.AVG: "avg"}
+_OPS: dict[int, Op] = {int(_KINDS.SUM): "sum", int(_KINDS.PRODUCT): "prod", int(_KINDS.MIN): "min",
+                       int(_KINDS.MAX): "max", int(_KINDS.AVG): "avg"}
+_BITWISE = {int(_KINDS.BAND): "min", int(_KINDS.BOR): "max"}  # on bool: logical and, or
 
 
 def _op(call: str, op: Any, tensor: Any) -> Op:
     """phalanx's name of torch's ``op``; bitwise and/or on bool are min/max, the rest is refused."""
-    op = getattr(op, "op", op)  # options hold a ReduceOp; its kind is a RedOpType
-    name = _OPS.get(op)
+    kind = int(getattr(op, "op", op))  # options hold a ReduceOp; its kind is a RedOpType
+    name = _OPS.get(kind)
     if name is not None:
         return name
-    if tensor is not None and tensor.dtype == torch.bool and op in (_KINDS.BAND, _KINDS.BOR):
-        return "min" if op == _KINDS.BAND else "max"
+    if tensor is not None and tensor.dtype == torch.bool and kind in _BITWISE:
+        return cast(Op, _BITWISE[kind])
     raise UnsupportedArgumentError(
-        f"torch.distributed.{call}(op={op}) on the 'phalanx' backend: supported ops are SUM, PRODUCT, MIN, "
-        "MAX and AVG (BAND/BOR on bool tensors); PREMUL_SUM and bitwise ops on integers are not. Reduce with "
-        "SUM and scale, or cast.")
+        f"torch.distributed.{call}(op={getattr(op, 'op', op)}) on the 'phalanx' backend: supported ops are SUM, "
+        "PRODUCT, MIN, MAX and AVG (BAND/BOR on bool tensors); PREMUL_SUM and bitwise ops on integers are not. "
+        "Reduce with SUM and scale, or cast.")
 
 
-_OPS = _ops()
+class _Done(_Work):
+    """A completed Work: ``wait()`` returns at once, ``get_future()`` holds ``result`` (torch's convention:
+    the output tensors). The future is made only when asked for (DDP's hooks ask; most callers do not)."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout: Any = None) -> bool:
+        """True: the operation ran when it was called."""
+        return True
+
+    def is_completed(self) -> bool:
+        """True."""
+        return True
+
+    def is_success(self) -> bool:
+        """True (a failure raised when the operation was called)."""
+        return True
+
+    def exception(self) -> None:
+        """None."""
+        return None
+
+    def result(self) -> Any:
+        """The output tensors."""
+        return self._result
+
+    def get_future(self) -> Any:
+        """A completed torch Future holding the output tensors."""
+        fut: Future[Any] = Future()
+        fut.set_result(self._result)
+        return fut
 
 
-def _done(result: Any) -> Any:
-    """A completed Work whose future holds ``result`` (torch's convention: the output tensors)."""
-    fut: Future[Any] = Future()
-    fut.set_result(result)
-    return _C10D._create_work_from_future(fut)
+_done = _Done
 
 
 def _one(call: str, tensors: Sequence[Any]) -> Any:
@@ -140,7 +168,7 @@ class PhalanxProcessGroup(_ProcessGroup):
     # -- reductions ---------------------------------------------------------------
     def allreduce(self, tensors: list[Any], opts: Any) -> Any:
         """``dist.all_reduce``: every rank gets the reduction, in place."""
-        t = _one("all_reduce", tensors)
+        t = tensors[0] if len(tensors) == 1 else _one("all_reduce", tensors)
         coll.allreduce(t, _op("all_reduce", opts.reduceOp, t), group=self.binding.group)
         return _done(tensors)
 

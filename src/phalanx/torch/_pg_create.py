@@ -1,0 +1,59 @@
+"""torch's creator of ``"phalanx"`` process groups: a group torch makes, bound to phalanx's world.
+
+``torch.distributed`` calls :func:`create` (through :mod:`phalanx._torch_plugin`)
+for its default group and for each ``new_group``/``DeviceMesh`` dimension, on
+the members only. It joins (or starts) phalanx's world and returns a
+:class:`~phalanx.torch._process_group.PhalanxProcessGroup` whose
+:class:`~phalanx.torch._process_group.Binding` names what it runs on.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .._errors import UnsupportedArgumentError, UsageError
+from .._world import current, current_or_none, init
+from ..comm._detect import detect_backend
+
+__all__ = ["create"]
+
+_CALL = "torch.distributed.init_process_group('phalanx')"
+
+
+def create(opts: Any, backend_options: Any) -> Any:
+    """torch's creator: a PhalanxProcessGroup for the group torch is making (``opts``: its ranks)."""
+    from ._process_group import Binding, PhalanxProcessGroup
+
+    if current_or_none() is None:
+        _join_world()
+    world = current(_CALL)
+    ranks = list(opts.global_ranks_in_group or range(opts.group_size))
+    if ranks != list(range(world.size)):
+        raise UnsupportedArgumentError(
+            f"torch.distributed.new_group(ranks={ranks}) on the 'phalanx' backend: only the whole world "
+            f"({world.size} ranks) is supported as a torch process group here; use phalanx.new_group for "
+            "groups, or one mesh dimension.")
+    if opts.group_size != world.size or opts.group_rank != world.rank:
+        raise UsageError(
+            f"{_CALL}: torch numbers this process rank {opts.group_rank} of {opts.group_size}, phalanx's "
+            f"world rank {world.rank} of {world.size}. Let phalanx pick them: call "
+            "phalanx.torch.init_process_group(), or pass no rank/world_size under phalanx run.")
+    return PhalanxProcessGroup(world.rank, world.size, Binding(None))
+
+
+def _join_world() -> None:
+    """phalanx's world for a torch group made before ``phalanx.init``: init it now.
+
+    On gloo/nccl, torch's env:// rendezvous has just made rank 0 serve a store on
+    ``MASTER_PORT``, the port phalanx's own rendezvous would serve: phalanx's
+    ranks then meet in that store as clients, as under torchrun's agent.
+    """
+    if detect_backend() == "mpi" or "TORCHELASTIC_USE_AGENT_STORE" in os.environ:
+        init()
+        return
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    try:
+        init()
+    finally:
+        del os.environ["TORCHELASTIC_USE_AGENT_STORE"]
