@@ -123,6 +123,14 @@ class Backend(Protocol):
     def alltoall(self, x: Any, timeout: float) -> Any: ...
     def barrier(self, timeout: float) -> None: ...
 
+    # -- point to point (phalanx._p2p checks and tags them) --------------------------
+    def isend(self, x: Any, dst: int, tag: int) -> Request:
+        """Post a send of ``x`` to rank ``dst`` with ``tag``; ``x`` stays untouched until it completes."""
+
+    def irecv(self, x: Any, src: int, tag: int) -> Request:
+        """Post a receive from rank ``src`` with ``tag`` into ``x`` (its shape and dtype); the result is
+        the data (``x``, filled in)."""
+
     # -- groups and lifecycle -------------------------------------------------
     def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float) -> Backend | None:
         """The backend of the group of world ranks ``ranks`` (sorted) on a member; None elsewhere.

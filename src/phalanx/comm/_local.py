@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import InvalidArgumentError
+
 __all__ = ["LocalBackend"]
 
 
@@ -101,6 +103,12 @@ class LocalBackend:
 
     def barrier(self, timeout: float) -> None:
         return None
+
+    def isend(self, x: Any, dst: int, tag: int) -> _Done:
+        raise InvalidArgumentError(f"phalanx.isend: a world of one rank has no rank {dst} to send to.")
+
+    def irecv(self, x: Any, src: int, tag: int) -> _Done:
+        raise InvalidArgumentError(f"phalanx.irecv: a world of one rank has no rank {src} to receive from.")
 
     def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float) -> LocalBackend:
         return LocalBackend()  # a world of one has only the group [0]

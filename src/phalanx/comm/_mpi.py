@@ -323,6 +323,19 @@ class MPIBackend(MPIShardOps):
         req = self.comm.Ibcast(view, root)
         return MPIRequest(req, lambda: self._copy_back(x, out), self.MPI.Exception)
 
+    def isend(self, x: Any, dst: int, tag: int) -> MPIRequest:
+        view = self._as_mpi(self._host_in(x))
+
+        def sent(keep: Any = view) -> Any:  # the send buffer lives until the request completes
+            return x
+
+        return MPIRequest(self.comm.Isend(view, dest=dst, tag=tag), sent, self.MPI.Exception)
+
+    def irecv(self, x: Any, src: int, tag: int) -> MPIRequest:
+        out, view = self._bcast_buffer(x, True)
+        return MPIRequest(self.comm.Irecv(view, source=src, tag=tag), lambda: self._copy_back(x, out),
+                          self.MPI.Exception)
+
     def _copy_back(self, x: Any, out: Any) -> Any:
         if out is not x and _is_torch(x) and x.is_cuda:
             return back_to_device(out, x) if not out.is_cuda else x.copy_(out)

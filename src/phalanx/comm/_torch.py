@@ -28,7 +28,7 @@ from ._hier import build_hierarchy
 from ._shard_ops import TorchShardOps
 from ._store_queries import diagnose, node_ranks_from_store
 from ._torch_buffers import TorchBuffers
-from ._torchdist import GroupDist, TorchRequest, end_group, group_dist
+from ._torchdist import GroupDist, TorchRequest, WaitedWork, end_group, group_dist
 from ._torchsetup import (
     Rendezvous,
     check_own_gpus,
@@ -323,6 +323,14 @@ class TorchBackend(TorchBuffers, TorchShardOps):
         return finish()
 
     @translating
+    def isend(self, x: Any, dst: int, tag: int) -> TorchRequest:
+        t = self._torch.from_numpy(x) if isinstance(x, np.ndarray) else self._bits(x)
+        return self._request(lambda: WaitedWork(self._dist.isend(t, dst, tag=tag)), lambda: x)
+
+    def irecv(self, x: Any, src: int, tag: int) -> TorchRequest:
+        t = self._torch.from_numpy(x) if isinstance(x, np.ndarray) else self._bits(x)
+        return self._request(lambda: WaitedWork(self._dist.irecv(t, src, tag=tag)), lambda: x)
+
     def barrier(self, timeout: float) -> None:
         token = self._torch.zeros(1, device=self.device)  # not dist.barrier: NCCL's guesses a device
         self._wait(self._dist.all_reduce(token, async_op=True), timeout)

@@ -24,7 +24,7 @@ from typing import Any
 from ._base import PeerLost, WaitTimeout
 from ._torchsetup import translate
 
-__all__ = ["GroupDist", "TorchRequest", "end_group", "group_dist"]
+__all__ = ["GroupDist", "TorchRequest", "WaitedWork", "end_group", "group_dist"]
 
 _TEARDOWN_S = 2.0  # destroying a process group may block on a peer that is gone: then give up
 
@@ -68,6 +68,42 @@ class TorchRequest:
 
 def _released() -> None:
     return None
+
+
+class WaitedWork:
+    """A gloo point-to-point ``Work`` waited in a thread of its own, so that it can be polled.
+
+    gloo completes a send or receive only inside ``wait()`` (``is_completed()``
+    stays False until then), and a send completes only once its receive is
+    posted; a rank polling several messages (phalanx._p2p) must see each one
+    complete without blocking on any. The thread's wait is bounded by the
+    group's own timeout; :meth:`wait` by its caller's.
+    """
+
+    __slots__ = ("_work", "_thread", "_error")
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="phalanx-p2p", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._work.wait()
+        except BaseException as exc:  # noqa: BLE001 - raised again by wait()
+            self._error = exc
+
+    def is_completed(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._thread.join(None if timeout is None else timeout.total_seconds())
+        if self._thread.is_alive():
+            raise WaitTimeout(timeout.total_seconds() if timeout is not None else 0.0)
+        if self._error is not None:
+            raise self._error
+        return True
 
 
 class GroupDist:

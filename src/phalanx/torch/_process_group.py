@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from .. import _collectives as coll
+from .. import _p2p as p2p
 from .._errors import UnsupportedArgumentError
 from .._groups import Group
 from ..comm._base import Op
@@ -116,6 +117,45 @@ class _Done(_Work):
 
 
 _done = _Done
+
+
+class _Pending(_Work):
+    """A Work of a point-to-point message, completed by ``wait()`` (torch's ``isend``/``irecv`` return it;
+    ``send``/``recv`` wait at once)."""
+
+    def __init__(self, message: Any, result: Any) -> None:
+        super().__init__()
+        self._message, self._result = message, result
+        self._complete = False
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Complete the message (within phalanx's timeout); True."""
+        self._message.wait()
+        self._complete = True
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether ``wait()`` has completed it."""
+        return self._complete
+
+    def is_success(self) -> bool:
+        """Whether ``wait()`` has completed it."""
+        return self._complete
+
+    def exception(self) -> None:
+        """None (a failure raises from ``wait()``)."""
+        return None
+
+    def result(self) -> Any:
+        """The message's tensors."""
+        return self._result
+
+    def get_future(self) -> Any:
+        """A torch Future of the tensors, completed by waiting for the message first."""
+        self.wait()
+        fut: Future[Any] = Future()
+        fut.set_result(self._result)
+        return fut
 
 
 def _one(call: str, tensors: Sequence[Any]) -> Any:
@@ -281,6 +321,21 @@ class PhalanxProcessGroup(_ProcessGroup):
     reduce_scatter_single = _reduce_scatter_base
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
     all_to_all_single = alltoall_base
+
+    # -- point to point -------------------------------------------------------------
+    def send(self, tensors: list[Any], dst: int, tag: int) -> Any:
+        """``dist.send``/``isend``: posted now, completed by the Work's ``wait()``."""
+        return _Pending(p2p.isend(_one("send", tensors), dst, tag=tag, group=self.binding.group), tensors)
+
+    def recv(self, tensors: list[Any], src: int, tag: int) -> Any:
+        """``dist.recv``/``irecv``: the header checked and the data received by the Work's ``wait()``."""
+        return _Pending(p2p.irecv(_one("recv", tensors), src, tag=tag, group=self.binding.group), tensors)
+
+    def recv_anysource(self, tensors: list[Any], tag: int) -> Any:
+        """Refused: a receive names its sender here."""
+        raise UnsupportedArgumentError(
+            "torch.distributed.recv(src=None) on the 'phalanx' backend: a receive from any rank is not "
+            "supported; pass src=, the sending rank.")
 
     def barrier(self, opts: Any) -> Any:
         """``dist.barrier``: every rank arrives, bounded by phalanx's timeout."""
