@@ -280,6 +280,46 @@ def _ops_run(group: Any) -> list[float]:
     return [float(v) for v in out]
 
 
+def _p2p_run(group: Any) -> list[float]:
+    """The exchanges users write: a ring of isend/irecv waited in either order, send/recv with a tag,
+    batch_isend_irecv, and send_object_list/recv_object_list."""
+    torch, dist = _torch()
+    r, n = dist.get_rank(), dist.get_world_size()
+    right, left = (r + 1) % n, (r - 1) % n
+    out: list[float] = []
+    got = torch.zeros(3, dtype=torch.float64)
+    works = [dist.isend(torch.full((3,), r + 0.5, dtype=torch.float64), right, group=group),
+             dist.irecv(got, left, group=group)]
+    for work in works if r % 2 else reversed(works):
+        work.wait()
+    out += got.tolist()
+    if r == 0:
+        dist.send(torch.arange(4.0), n - 1, group=group, tag=7)
+    elif r == n - 1:
+        box = torch.zeros(4)
+        dist.recv(box, 0, group=group, tag=7)
+        out += box.tolist()
+    ops = [dist.P2POp(dist.isend, torch.tensor([10.0 * r], dtype=torch.float64), right, group=group),
+           dist.P2POp(dist.irecv, got[:1], left, group=group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    out += got.tolist()
+    objects: list[Any] = [None]
+    if r == 0:
+        dist.send_object_list([{"from": 0, "text": "abc"}], dst=n - 1, group=group)
+    elif r == n - 1:
+        dist.recv_object_list(objects, src=0, group=group)
+        out += [objects[0]["from"], len(objects[0]["text"])]
+    return out
+
+
+@TORCH_DIST.behaviour("point-to-point-exchanges-equal-gloo")
+def _(r: int, n: int, directory: str) -> None:
+    if n > 1:
+        _both("p2p", _p2p_run)
+        assert RESULTS["p2p"][:3] == [(r - 1) % n + 0.5] * 3, RESULTS["p2p"]
+
+
 @TORCH_DIST.behaviour("every-operation-equals-gloo")
 def _(r: int, n: int, directory: str) -> None:
     _both("ops", _ops_run)
@@ -381,6 +421,23 @@ def torch_distributed(directory: str = "") -> dict[str, Any]:
     report: dict[str, Any] = dict(TORCH_DIST.run(phalanx.rank(), phalanx.size(), directory))
     report["results"] = RESULTS
     return report
+
+
+@TORCH_DIST.behaviour("a-received-message-of-another-shape-raises-on-the-receiver")
+def _(r: int, n: int, directory: str) -> None:
+    torch, dist = _torch()
+    if n == 1:  # torch refuses a send to itself before phalanx sees it; phalanx's own check says the same
+        from phalanx import _p2p
+
+        with raises(phalanx.InvalidArgumentError, "a send to itself was accepted"):
+            _p2p.isend(torch.ones(1), 0)
+        return
+    if r == 0:
+        dist.isend(torch.ones(5), 1, tag=99)  # never completed: the receiver refuses it (the last behaviour)
+    elif r == 1:
+        with raises(phalanx.CollectiveMismatchError, "5 floats were received into 4") as caught:
+            dist.recv(torch.zeros(4), 0, tag=99)
+        assert "float32[4]" in str(caught.value) and "float32[5]" in str(caught.value), caught.value
 
 
 @TORCH_DIST.behaviour("gloo-worlds-keep-torch-gloo-beside-it")
