@@ -37,7 +37,7 @@ def test_torch_distributed(worlds, tmp_path_factory, backend: str, n: int, behav
                  op_timeout=30)
 
 
-@pytest.mark.parametrize("library", ["ddp", "fsdp2", "zero", "functional", "ops", "p2p"])
+@pytest.mark.parametrize("library", ["ddp", "fsdp2", "zero", "functional", "ops", "p2p", "hsdp"])
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.skipif("mpi" not in AVAILABLE or "gloo" not in AVAILABLE, reason="needs mpi and gloo")
 def test_mpi_world_equals_gloo_world(worlds, tmp_path_factory, n: int, library: str) -> None:

@@ -320,6 +320,48 @@ def _(r: int, n: int, directory: str) -> None:
         assert RESULTS["p2p"][:3] == [(r - 1) % n + 0.5] * 3, RESULTS["p2p"]
 
 
+def _hsdp_run(group: Any) -> list[float]:
+    """FSDP2 on a 2-D mesh (replicate over the ranks, shard over 1: HSDP), and a partition into subgroups
+    (torch's new_subgroups_by_enumeration): both reach phalanx as groups of a partition."""
+    torch, dist = _torch()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    parts = [list(range(n - 1)), [n - 1]] if n > 1 else [[0]]
+    mine, _ = dist.new_subgroups_by_enumeration(parts)
+    t = torch.tensor([r + 1.0], dtype=torch.float64)
+    dist.all_reduce(t, group=mine)
+    out = [t.item(), float(dist.get_world_size(mine))]
+    model = _mlp(torch)
+    fully_shard(model, mesh=init_device_mesh("cpu", (n, 1), mesh_dim_names=("replicate", "shard")))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for step in range(STEPS):
+        x, y = _batch(torch, step, n)
+        mine_rows = slice(4 * r, 4 * r + 4)
+        torch.nn.functional.mse_loss(model(x[mine_rows]), y[mine_rows]).backward()
+        opt.step()
+        opt.zero_grad()
+    return out + _flat(torch, [p.full_tensor() for p in model.parameters()])
+
+
+@TORCH_DIST.behaviour("subgroups-and-a-2d-mesh-hsdp-equal-one-process")
+def _(r: int, n: int, directory: str) -> None:
+    RESULTS["hsdp"] = got = _hsdp_run(None)
+    members = list(range(n - 1)) if r < n - 1 else [n - 1]
+    assert got[:2] == [sum(m + 1.0 for m in members), float(len(members))], got[:2]
+    _close(got[2:], _zero_reference(), "HSDP (2-D mesh) against one process")  # AdamW on the whole batch
+
+
+@TORCH_DIST.behaviour("phalanx-groups-still-work-beside-the-phalanx-backend")
+def _(r: int, n: int, directory: str) -> None:
+    import numpy as np
+
+    group = phalanx.new_group(list(range(n)))
+    assert phalanx.allreduce(np.ones(2), group=group).tolist() == [n, n]
+    phalanx.destroy_group(group)
+
+
 @TORCH_DIST.behaviour("every-operation-equals-gloo")
 def _(r: int, n: int, directory: str) -> None:
     _both("ops", _ops_run)

@@ -32,7 +32,7 @@ from ._errors import (
 from ._world import World, current, current_or_none
 from .comm._base import Backend
 
-__all__ = ["Group", "GroupWorld", "destroy_group", "new_group", "world_for", "world_group"]
+__all__ = ["Group", "GroupWorld", "destroy_group", "new_group", "split_group", "world_for", "world_group"]
 
 
 class Group:
@@ -228,6 +228,46 @@ def new_group(ranks: Iterable[int]) -> Group:
     world.groups_made += 1
     with world.guard("new_group"):
         sub = world.backend.subgroup(chosen, world.groups_made, world.timeout)
+    group = Group(chosen, world, None, world.groups_made)
+    if sub is not None:
+        group._world = GroupWorld(sub, world, group)
+    world.on_shutdown(group.release)
+    return group
+
+
+def split_group(ranks: Iterable[int]) -> Group:
+    """This rank's group of a partition of the world: each rank names the group it belongs to.
+
+    Collective over the whole world, like :func:`new_group`, but each rank passes
+    its own group: ``split_group([0, 1])`` on ranks 0 and 1 and ``split_group([2])``
+    on rank 2 make two groups. (torch's ``new_group`` calls and ``DeviceMesh``
+    dimensions reach phalanx's process group this way: torch asks the members of
+    each group only, and the groups of one dimension partition the world.)
+
+    Arguments: ``ranks``: the world ranks of this rank's group (any order).
+
+    Returns this rank's :class:`Group`. Raises CollectiveMismatchError (the groups
+    named do not partition the world: a rank outside its own group, or members that
+    named different groups; on every rank), InvalidArgumentError, CollectiveTimeoutError
+    (a rank never called it), RankFailedError.
+    """
+    world = current("split_group")
+    chosen, problem = _normalize(ranks, world.size)
+    world.enter("split_group", None)
+    entries = world.allgather_json("split_group", list(chosen) if chosen is not None else repr(ranks))
+    wrong = [r for r, g in enumerate(entries)
+             if not isinstance(g, list) or r not in g or any(entries[m] != g for m in g)]
+    if wrong:
+        lines = "\n".join(f"  rank {r}: {entries[r]}" for r in range(len(entries)))
+        raise CollectiveMismatchError(
+            f"phalanx.split_group: the groups the ranks named do not partition the world (ranks {wrong} "
+            f"disagree with their groups), so nothing was made:\n{lines}\nEach rank must name the group it "
+            "belongs to, and every member of a group the same group.")
+    if chosen is None:  # unreachable: a bad list is named by its rank above; kept for the type
+        raise InvalidArgumentError(f"phalanx.split_group(ranks={ranks!r}): {problem}.")
+    world.groups_made += 1
+    with world.guard("split_group"):
+        sub = world.backend.subgroup(chosen, world.groups_made, world.timeout, members_only=True)
     group = Group(chosen, world, None, world.groups_made)
     if sub is not None:
         group._world = GroupWorld(sub, world, group)

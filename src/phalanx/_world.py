@@ -54,7 +54,7 @@ CALLS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "reduce_scat
          "barrier", "iallreduce", "ibroadcast", "broadcast_object", "allgather_object", "shutdown",
          # the gradient engine's step agreements (phalanx.torch, check_steps)
          "torch.DistributedOptimizer", "torch.DistributedOptimizer.step", "torch.DataParallel",
-         "new_group", "destroy_group", "horovod.torch.DistributedOptimizer")
+         "new_group", "destroy_group", "horovod.torch.DistributedOptimizer", "split_group")
 CALL_CODES = {name: i for i, name in enumerate(CALLS)}
 OP_CODES = {name: i for i, name in enumerate(OPS)}
 

@@ -132,11 +132,14 @@ class Backend(Protocol):
         the data (``x``, filled in)."""
 
     # -- groups and lifecycle -------------------------------------------------
-    def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float) -> Backend | None:
+    def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float,
+                 members_only: bool = False) -> Backend | None:
         """The backend of the group of world ranks ``ranks`` (sorted) on a member; None elsewhere.
 
         Collective over the whole world, in the same order on every rank (``serial``
-        numbers the groups of the world; ``timeout`` bounds the making). The group's
+        numbers the groups of the world; ``timeout`` bounds the making); with
+        ``members_only``, called by the group's members only (each rank makes its own
+        group of a partition, :func:`phalanx._groups.split_group`). The group's
         backend is this backend's class, with ``rank`` and ``size`` of the group; its
         :meth:`shutdown` releases the group's transport and leaves the world's alone.
         """

@@ -110,7 +110,8 @@ class LocalBackend:
     def irecv(self, x: Any, src: int, tag: int) -> _Done:
         raise InvalidArgumentError(f"phalanx.irecv: a world of one rank has no rank {src} to receive from.")
 
-    def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float) -> LocalBackend:
+    def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float,
+                 members_only: bool = False) -> LocalBackend:
         return LocalBackend()  # a world of one has only the group [0]
 
     def shutdown(self) -> None:

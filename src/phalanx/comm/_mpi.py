@@ -115,9 +115,11 @@ class MPIBackend(MPIShardOps):
         except (NotImplementedError, self.MPI.Exception, AttributeError):
             self._agreement = None
 
-    def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float) -> MPIBackend | None:
+    def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float,
+                 members_only: bool = False) -> MPIBackend | None:
         """The backend of group ``ranks`` (world ranks) on a member, None elsewhere: communicators of
-        the members only, this backend's options and op tables (see :meth:`Backend.subgroup`)."""
+        the members only, this backend's options and op tables (see :meth:`Backend.subgroup`; only
+        the members take part either way)."""
         if self.rank not in ranks:
             return None
         comm, diag = group_comms(self.MPI, self.comm, self._diag, ranks)

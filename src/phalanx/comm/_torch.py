@@ -114,10 +114,12 @@ class TorchBackend(TorchBuffers, TorchShardOps):
         self._chk_dev = self._chk_t.to(self.device)
         self._ordered: collections.deque[tuple[Any, float, float]] = collections.deque()  # _order's waits
 
-    def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float) -> TorchBackend | None:
+    def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float,
+                 members_only: bool = False) -> TorchBackend | None:
         """The backend of group ``ranks`` (world ranks) on a member, None elsewhere: this backend's
         device, store and options over the group's process group (see :meth:`Backend.subgroup`)."""
-        view = group_dist(self._dist, ranks, self.rank, timeout, self.device if self._nccl else None, self.name)
+        view = group_dist(self._dist, ranks, self.rank, timeout, self.device if self._nccl else None, self.name,
+                          members_only)
         if view is None:
             return None
         sub = copy.copy(self)  # the hierarchy stays the world's (it serves only the world: _hier)
@@ -128,6 +130,11 @@ class TorchBackend(TorchBuffers, TorchShardOps):
 
     def __repr__(self) -> str:
         return f"<phalanx {self.name} backend rank {self.rank}/{self.size}>"
+
+    @property
+    def torch_store(self) -> Any:
+        """The store every rank reaches (the rendezvous'): torch groups made beside phalanx's meet there."""
+        return self._store
 
     # -- setup ------------------------------------------------------------------
     def _check_available(self, name: str) -> None:

@@ -154,17 +154,23 @@ class GroupDist:
 
 
 def group_dist(dist: Any, ranks: tuple[int, ...], rank: int, timeout: float,
-               device: Any = None, backend: str | None = None) -> GroupDist | None:
+               device: Any = None, backend: str | None = None, members_only: bool = False) -> GroupDist | None:
     """Make the process group of world ranks ``ranks`` (on every rank of the world, in the same
     order: torch numbers the groups in order); on a member, the group's view of ``dist``, else None.
 
     ``device``: the nccl backend's GPU (bound to the group where torch allows it). ``backend``:
     the group's torch backend (None: the default group's; phalanx's own names "gloo"/"nccl",
-    since torch's default may be the "phalanx" backend by then).
+    since torch's default may be the "phalanx" backend by then). ``members_only``: only the
+    members call this (torch's ``use_local_synchronization``: the group is named by its ranks,
+    not by a count every rank keeps), None at once elsewhere.
     """
+    if members_only and rank not in ranks:
+        return None
     kwargs: dict[str, Any] = {"timeout": timedelta(seconds=timeout + max(30.0, timeout))}
     if backend is not None:
         kwargs["backend"] = backend
+    if members_only:
+        kwargs["use_local_synchronization"] = True
     if isinstance(dist, GroupDist):  # the world's own view (phalanx made the group): torch.distributed itself
         dist = dist._dist
     if device is not None and "device_id" in inspect.signature(dist.new_group).parameters:

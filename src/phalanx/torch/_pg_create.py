@@ -2,7 +2,11 @@
 
 ``torch.distributed`` calls :func:`create` (through :mod:`phalanx._torch_plugin`)
 for its default group and for each ``new_group``/``DeviceMesh`` dimension, on
-the members only. It joins (or starts) phalanx's world and returns a
+the members only: a group of some ranks becomes this rank's group of a
+partition of the world (:func:`phalanx._groups.split_group`), which every
+rank must reach, as the groups of a mesh dimension or of
+``new_subgroups`` do. A ``new_group`` of some ranks whose other ranks make no
+group is a ``CollectiveTimeoutError`` naming them. It joins (or starts) phalanx's world and returns a
 :class:`~phalanx.torch._process_group.PhalanxProcessGroup` whose
 :class:`~phalanx.torch._process_group.Binding` names what it runs on.
 """
@@ -12,7 +16,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .._errors import UnsupportedArgumentError, UsageError
+from .._errors import UsageError
+from .._groups import split_group
 from .._world import current, current_or_none, init
 from ..comm._detect import detect_backend
 
@@ -28,18 +33,18 @@ def create(opts: Any, backend_options: Any) -> Any:
     if current_or_none() is None:
         _join_world()
     world = current(_CALL)
-    ranks = list(opts.global_ranks_in_group or range(opts.group_size))
-    if ranks != list(range(world.size)):
-        raise UnsupportedArgumentError(
-            f"torch.distributed.new_group(ranks={ranks}) on the 'phalanx' backend: only the whole world "
-            f"({world.size} ranks) is supported as a torch process group here; use phalanx.new_group for "
-            "groups, or one mesh dimension.")
-    if opts.group_size != world.size or opts.group_rank != world.rank:
-        raise UsageError(
-            f"{_CALL}: torch numbers this process rank {opts.group_rank} of {opts.group_size}, phalanx's "
-            f"world rank {world.rank} of {world.size}. Let phalanx pick them: call "
-            "phalanx.torch.init_process_group(), or pass no rank/world_size under phalanx run.")
-    return PhalanxProcessGroup(world.rank, world.size, Binding(None))
+    ranks = sorted(opts.global_ranks_in_group or range(opts.group_size))
+    if ranks == list(range(world.size)):
+        if opts.group_size != world.size or opts.group_rank != world.rank:
+            raise UsageError(
+                f"{_CALL}: torch numbers this process rank {opts.group_rank} of {opts.group_size}, phalanx's "
+                f"world rank {world.rank} of {world.size}. Let phalanx pick them: call "
+                "phalanx.torch.init_process_group(), or pass no rank/world_size under phalanx run.")
+        return PhalanxProcessGroup(world.rank, world.size, Binding(None))
+    # a new_group or a DeviceMesh dimension: torch asks its members only, and the groups of one
+    # dimension partition the world, so each rank names its own group of the partition
+    group = split_group(ranks)
+    return PhalanxProcessGroup(ranks.index(world.rank), group.size, Binding(group))
 
 
 def _join_world() -> None:

@@ -24,9 +24,11 @@ def init_process_group(*, timeout: float | None = None) -> Any:
     >>> phalanx.torch.init_process_group()      # then DDP, FSDP2, DCP, ... run over MPI
     >>> torch.distributed.all_reduce(t)         # a phalanx allreduce: checked and bounded
 
-    It calls ``phalanx.init()`` first when no world exists. No network is
-    used for torch's store: the store is process-local (``HashStore``), since
-    every operation goes through phalanx's own transport.
+    It calls ``phalanx.init()`` first when no world exists. Nothing new
+    listens for torch's store: on gloo/nccl worlds it is phalanx's own
+    rendezvous store (where gloo groups torch makes later meet), elsewhere a
+    process-local one (``HashStore``), since every operation goes through
+    phalanx's own transport.
 
     Arguments:
         timeout: torch's own timeout for the group, in seconds (None: phalanx's
@@ -53,7 +55,11 @@ def init_process_group(*, timeout: float | None = None) -> Any:
                 "first, or keep that backend.")
         _release_default()
     seconds = timeout if timeout is not None else world.timeout
-    dist.init_process_group(NAME, store=dist.HashStore(), rank=world.rank, world_size=world.size,
+    # torch makes its new groups' stores from the default group's: phalanx's own rendezvous store where it
+    # has one (gloo, nccl: a gloo group made later meets there), else a process-local one (mpi, local)
+    store = getattr(world.backend, "torch_store", None)
+    store = dist.HashStore() if store is None else dist.PrefixStore("phalanx-pg/", store)
+    dist.init_process_group(NAME, store=store, rank=world.rank, world_size=world.size,
                             timeout=timedelta(seconds=max(seconds, 1.0)))
     return dist.group.WORLD
 
