@@ -99,7 +99,7 @@ def main() -> None:
         total = 0.0
         for micro in range(args.accumulate):
             mine = data[micro, ddp_rank * args.batch:(ddp_rank + 1) * args.batch]
-            loss = model(mine[:, :-1], mine[:, 1:]) / args.accumulate
+            loss = model(mine[:, :-1].contiguous(), mine[:, 1:].contiguous()) / args.accumulate
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -7,7 +7,11 @@ docstring); the 2- and 3-rank worlds of a backend share a directory, so the
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,3 +65,25 @@ def test_a_stopped_peer_is_a_timeout_naming_it(backend: str, n: int) -> None:
     assert raised, report
     assert float(raised.group(1)) < 2.0 + GRACE, report
     assert "timed out after 2 s" in report and f"rank {n - 1}" in report, report
+
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "fsdp2_gpt.py"
+
+
+@pytest.mark.skipif("mpi" not in AVAILABLE or "gloo" not in AVAILABLE, reason="needs mpi and gloo")
+def test_an_fsdp2_script_written_for_torchrun_runs_over_mpi_equal_to_gloo(tmp_path) -> None:
+    """examples/fsdp2_gpt.py (nanoGPT's setup, FSDP2, no phalanx import) under `phalanx run --backend mpi`
+    with init_process_group("phalanx"), and on torch's gloo: the same losses and weights in float64."""
+    runs = {}
+    for launcher, backend in (("mpi", "phalanx"), ("gloo", "gloo")):
+        out = tmp_path / f"{backend}.json"
+        done = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", "2", "--backend", launcher, str(EXAMPLE),
+                               "--backend", backend, "--steps", "4", "--json", str(out)],
+                              capture_output=True, text=True, timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "step 3: loss" in done.stdout, done.stdout
+        runs[backend] = json.loads(out.read_text())
+    mpi, gloo = runs["phalanx"], runs["gloo"]
+    assert max(abs(a - b) for a, b in zip(mpi["losses"], gloo["losses"], strict=True)) <= 1e-10, (mpi, gloo)
+    assert abs(mpi["checksum"] - gloo["checksum"]) <= 1e-10 * max(1.0, abs(gloo["checksum"])), (mpi, gloo)
+    assert mpi["losses"][-1] < mpi["losses"][0], mpi  # it trains

@@ -34,9 +34,12 @@ def init_process_group(*, timeout: float | None = None) -> Any:
         timeout: torch's own timeout for the group, in seconds (None: phalanx's
             collective timeout). phalanx's timeout bounds every call either way.
 
-    Returns torch's default process group. Raises UsageError (torch.distributed is
-    already initialized with another backend, e.g. by hand), and what ``phalanx.init``
-    raises.
+    Returns:
+        torch's default process group (the same one on a second call).
+
+    Raises:
+        UsageError: torch.distributed is already initialized with another backend
+            (by the script or its launcher); and what ``phalanx.init`` raises.
     """
     import torch.distributed as dist
 
