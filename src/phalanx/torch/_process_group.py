@@ -116,7 +116,6 @@ class _Done(_Work):
         return fut
 
 
-_done = _Done
 
 
 class _Pending(_Work):
@@ -210,25 +209,25 @@ class PhalanxProcessGroup(_ProcessGroup):
         """``dist.all_reduce``: every rank gets the reduction, in place."""
         t = tensors[0] if len(tensors) == 1 else _one("all_reduce", tensors)
         coll.allreduce(t, _op("all_reduce", opts.reduceOp, t), group=self.binding.group)
-        return _done(tensors)
+        return _Done(tensors)
 
     def allreduce_coalesced(self, tensors: list[Any], opts: Any) -> Any:
         """``dist.all_reduce_coalesced``: each tensor reduced, in order."""
         for t in tensors:
             coll.allreduce(t, _op("all_reduce_coalesced", opts.reduceOp, t), group=self.binding.group)
-        return _done(tensors)
+        return _Done(tensors)
 
     def reduce(self, tensors: list[Any], opts: Any) -> Any:
         """``dist.reduce``: the reduction on the root, others unchanged."""
         t = _one("reduce", tensors)
         coll.reduce(t, _op("reduce", opts.reduceOp, t), opts.rootRank, group=self.binding.group)
-        return _done(tensors)
+        return _Done(tensors)
 
     def broadcast(self, tensors: list[Any], opts: Any) -> Any:
         """``dist.broadcast``: the root's tensor everywhere, in place."""
         t = _one("broadcast", tensors)
         coll.broadcast(t, opts.rootRank, group=self.binding.group)
-        return _done(tensors)
+        return _Done(tensors)
 
     # -- all-gathers ----------------------------------------------------------------
     def allgather(self, outputs: list[list[Any]], inputs: list[Any], opts: Any) -> Any:
@@ -237,18 +236,18 @@ class PhalanxProcessGroup(_ProcessGroup):
         stacked = coll.allgather(t, group=self.binding.group)
         for dst, row in zip(out, stacked, strict=True):
             dst.copy_(row.view_as(dst))
-        return _done(outputs)
+        return _Done(outputs)
 
     def _allgather_base(self, output: Any, input: Any, opts: Any) -> Any:  # noqa: A002 - torch's name
         """``dist.all_gather_into_tensor``: the ranks' inputs concatenated into ``output``."""
         _gather_into(output, input, self.binding.group)
-        return _done(output)
+        return _Done(output)
 
     def allgather_into_tensor_coalesced(self, outputs: list[Any], inputs: list[Any], opts: Any) -> Any:
         """Several ``all_gather_into_tensor`` in one call (FSDP2 and DTensor coalesce them)."""
         for o, t in zip(outputs, inputs, strict=True):
             _gather_into(o, t, self.binding.group)
-        return _done(outputs)
+        return _Done(outputs)
 
     def allgather_coalesced(self, outputs: list[list[Any]], inputs: list[Any], opts: Any) -> Any:
         """``dist.all_gather_coalesced``: one list all-gather per input."""
@@ -256,7 +255,7 @@ class PhalanxProcessGroup(_ProcessGroup):
             stacked = coll.allgather(t, group=self.binding.group)
             for dst, row in zip(out, stacked, strict=True):
                 dst.copy_(row.view_as(dst))
-        return _done(outputs)
+        return _Done(outputs)
 
     # -- reduce-scatters ------------------------------------------------------------
     def reduce_scatter(self, outputs: list[Any], inputs: list[list[Any]], opts: Any) -> Any:
@@ -265,18 +264,18 @@ class PhalanxProcessGroup(_ProcessGroup):
         flat = torch.stack([p.reshape(out.shape) for p in parts])
         coll.reduce_scatter(flat, _op("reduce_scatter", opts.reduceOp, out), out=out.view(1, *out.shape),
                             group=self.binding.group)
-        return _done(outputs)
+        return _Done(outputs)
 
     def _reduce_scatter_base(self, output: Any, input: Any, opts: Any) -> Any:  # noqa: A002 - torch's name
         """``dist.reduce_scatter_tensor``: this rank's chunk of the reduction into ``output``."""
         _scatter_into(output, input, opts.reduceOp, self.binding.group)
-        return _done(output)
+        return _Done(output)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[Any], inputs: list[Any], opts: Any) -> Any:
         """Several ``reduce_scatter_tensor`` in one call."""
         for o, t in zip(outputs, inputs, strict=True):
             _scatter_into(o, t, opts.reduceOp, self.binding.group)
-        return _done(outputs)
+        return _Done(outputs)
 
     # -- gather, scatter, all-to-all --------------------------------------------------
     def gather(self, outputs: list[list[Any]], inputs: list[Any], opts: Any) -> Any:
@@ -286,7 +285,7 @@ class PhalanxProcessGroup(_ProcessGroup):
         if stacked is not None:
             for dst, row in zip(_one("gather", outputs), stacked, strict=True):
                 dst.copy_(row.view_as(dst))
-        return _done(outputs)
+        return _Done(outputs)
 
     def scatter(self, outputs: list[Any], inputs: list[list[Any]], opts: Any) -> Any:
         """``dist.scatter``: rank ``i`` gets the root's input ``i`` (sent as one broadcast of the stack)."""
@@ -299,7 +298,7 @@ class PhalanxProcessGroup(_ProcessGroup):
             stack = out.new_empty((size, *out.shape))
         coll.broadcast(stack, opts.rootRank, group=self.binding.group)
         out.copy_(stack[self.rank()])
-        return _done(outputs)
+        return _Done(outputs)
 
     def alltoall(self, outputs: list[Any], inputs: list[Any], opts: Any) -> Any:
         """``dist.all_to_all`` (list form): output ``j`` gets rank ``j``'s input ``rank``."""
@@ -307,13 +306,13 @@ class PhalanxProcessGroup(_ProcessGroup):
         got = coll.alltoall(stack, group=self.binding.group)
         for dst, row in zip(outputs, got, strict=True):
             dst.copy_(row.view_as(dst))
-        return _done(outputs)
+        return _Done(outputs)
 
     def alltoall_base(self, output: Any, input: Any, output_split_sizes: list[int],  # noqa: A002
                       input_split_sizes: list[int], opts: Any) -> Any:
         """``dist.all_to_all_single``: equal chunks, or ``*_split_sizes`` rows per rank."""
         _all_to_all(output, input, output_split_sizes, input_split_sizes, self.size(), self.binding.group)
-        return _done(output)
+        return _Done(output)
 
     # torch's newer names for the same operations (2.10 and later call these)
     all_gather_single = _allgather_base
@@ -340,7 +339,7 @@ class PhalanxProcessGroup(_ProcessGroup):
     def barrier(self, opts: Any) -> Any:
         """``dist.barrier``: every rank arrives, bounded by phalanx's timeout."""
         coll.barrier(group=self.binding.group)
-        return _done(None)
+        return _Done(None)
 
 
 def _gather_into(output: Any, input: Any, group: Group | None) -> None:  # noqa: A002
