@@ -352,7 +352,13 @@ class TorchBackend(TorchBuffers, TorchShardOps):
         """
         atexit.unregister(self.shutdown)
         if (self._owns_group or self._group is not None) and self._dist.is_initialized():
-            end_group(self._dist, self._group)
+            # the world's own group: None destroys torch's default group and every group with it (the
+            # hierarchy's); once "phalanx" is torch's default instead, only phalanx's own group ends
+            own_default = self._owns_group and self._torch.distributed.group.WORLD is self._group
+            end_group(self._dist, None if own_default else self._group)
+        # no reference to the group may outlive it (its threads end only when it is freed): rebound to
+        # torch.distributed itself, nothing of this backend holds it
+        self._bind(self._torch.distributed, None)
         if self._rendezvous is not None:  # its guard: nothing of it listens after this
             self._rendezvous.close()
         self._store = None
