@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
@@ -113,7 +114,8 @@ class Hierarchy:
     """
 
     def __init__(self, backend: Any, layout: list[tuple[int, ...]], timeout: float) -> None:
-        dist = self._dist = backend._dist
+        dist = backend._dist
+        self._owner = weakref.ref(backend)  # the world's backend (a group's copy is another object)
         backstop = {"timeout": timedelta(seconds=timeout + max(30.0, timeout))}
         rank = backend.rank
         self.hosts = layout
@@ -145,7 +147,7 @@ class Hierarchy:
 
     def serves(self, backend: Any) -> bool:
         """Whether ``backend`` is the world this hierarchy was made for (not a sub-group's copy)."""
-        return backend._dist is self._dist
+        return self._owner() is backend
 
     def all_reduce(self, t: Any, op: Any) -> Any:
         """Start reducing tensor ``t`` in place with torch ReduceOp ``op``; returns a Work-like request.
