@@ -351,14 +351,22 @@ class TorchBackend(TorchBuffers, TorchShardOps):
         group can block on a peer that is gone or cut off, and leaving must not.
         """
         atexit.unregister(self.shutdown)
-        if (self._owns_group or self._group is not None) and self._dist.is_initialized():
+        # No reference to the group may outlive it (its threads end only when it is freed): this backend
+        # is rebound to torch.distributed itself, and its last references go to the teardown thread.
+        # (No local name may hold them here: the thread's release may come first, and the last
+        # reference would then end in this thread, joining the group's threads past a lost peer.)
+        held: list[Any] = [self._dist, self._group, self._all_gather, self._reduce_scatter]
+        self._bind(self._torch.distributed, None)
+        torch_dist = self._torch.distributed
+        if (self._owns_group or held[1] is not None) and torch_dist.is_initialized():
             # the world's own group: None destroys torch's default group and every group with it (the
             # hierarchy's); once "phalanx" is torch's default instead, only phalanx's own group ends
-            own_default = self._owns_group and self._torch.distributed.group.WORLD is self._group
-            end_group(self._dist, None if own_default else self._group)
-        # no reference to the group may outlive it (its threads end only when it is freed): rebound to
-        # torch.distributed itself, nothing of this backend holds it
-        self._bind(self._torch.distributed, None)
+            if self._owns_group and torch_dist.group.WORLD is held[1]:
+                end_group(torch_dist, None, held)
+            else:
+                end_group(torch_dist, held[1], held)
+        else:
+            held.clear()
         if self._rendezvous is not None:  # its guard: nothing of it listens after this
             self._rendezvous.close()
         self._store = None

@@ -185,11 +185,18 @@ def group_dist(dist: Any, ranks: tuple[int, ...], rank: int, timeout: float,
     return GroupDist(dist, group, ranks) if rank in ranks else None
 
 
-def end_group(dist: Any, group: Any = None) -> None:
-    """Destroy process ``group`` (None: the default one), given up after a few seconds (module notes)."""
+def end_group(dist: Any, group: Any = None, release: list[Any] | None = None) -> None:
+    """Destroy process ``group`` (None: the default one), given up after a few seconds (module notes).
+
+    ``release``: the caller's last references to the group (and what holds it), emptied in the
+    teardown thread: a gloo group's destructor joins its threads, which after a lost peer can wait
+    out gloo's own timeout, so it must not run in the caller's thread.
+    """
     def destroy() -> None:
         with contextlib.suppress(Exception):  # destroying after a failure may itself fail
             dist.destroy_process_group(group)
+        if release:
+            release.clear()  # the group's destructor, if these were its last references, runs here
 
     thread = threading.Thread(target=destroy, name="phalanx-teardown", daemon=True)
     thread.start()
