@@ -132,6 +132,11 @@ class TorchBackend(TorchBuffers, TorchShardOps):
         return f"<phalanx {self.name} backend rank {self.rank}/{self.size}>"
 
     @property
+    def own_group(self) -> Any:
+        """The world's process group when phalanx made it (torch's default until handed over), else None."""
+        return self._group if self._owns_group else None
+
+    @property
     def torch_store(self) -> Any:
         """The store every rank reaches (the rendezvous'): torch groups made beside phalanx's meet there."""
         return self._store

@@ -69,8 +69,7 @@ def init_process_group(*, timeout: float | None = None) -> Any:
 
 def _owned_by(world: Any, group: Any) -> bool:
     """Whether torch's default group is phalanx's own (its gloo/nccl backend made it)."""
-    backend = getattr(world, "backend", None)
-    return bool(getattr(backend, "_owns_group", False)) and getattr(backend, "_group", None) is not None
+    return group is not None and getattr(world.backend, "own_group", None) is group
 
 
 def _release_default() -> None:

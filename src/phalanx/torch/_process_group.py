@@ -118,13 +118,13 @@ class _Done(_Work):
 
 
 
-class _Pending(_Work):
+class _Pending(_Done):
     """A Work of a point-to-point message, completed by ``wait()`` (torch's ``isend``/``irecv`` return it;
-    ``send``/``recv`` wait at once)."""
+    ``send``/``recv`` wait at once). ``exception()`` and ``result()`` are the completed Work's."""
 
     def __init__(self, message: Any, result: Any) -> None:
-        super().__init__()
-        self._message, self._result = message, result
+        super().__init__(result)
+        self._message = message
         self._complete = False
 
     def wait(self, timeout: Any = None) -> bool:
@@ -140,14 +140,6 @@ class _Pending(_Work):
     def is_success(self) -> bool:
         """Whether ``wait()`` has completed it."""
         return self._complete
-
-    def exception(self) -> None:
-        """None (a failure raises from ``wait()``)."""
-        return None
-
-    def result(self) -> Any:
-        """The message's tensors."""
-        return self._result
 
     def get_future(self) -> Any:
         """A torch Future of the tensors, completed by waiting for the message first."""
