@@ -40,6 +40,7 @@ from ._errors import (
     NotInGroupError,
     NotInitializedError,
     PhalanxError,
+    QuorumLostError,
     RankFailedError,
     RendezvousError,
     SimulatedHostsUnavailableError,
@@ -49,6 +50,7 @@ from ._errors import (
     UsageError,
     WorldBrokenError,
 )
+from ._epochs import epoch, on_reform, reform
 from ._gradients import allreduce_gradients
 from ._groups import Group, destroy_group, new_group, world_group
 from ._nonblocking import Handle, iallreduce, ibroadcast
@@ -94,6 +96,7 @@ __all__ = [
     "NotInitializedError",
     "Op",
     "PhalanxError",
+    "QuorumLostError",
     "RankFailedError",
     "RankFilter",
     "RendezvousError",
@@ -118,13 +121,16 @@ __all__ = [
     "gather",
     "iallreduce",
     "ibroadcast",
+    "epoch",
     "init",
     "initialized",
     "local_rank",
     "local_size",
     "new_group",
+    "on_reform",
     "print",
     "rank",
+    "reform",
     "reduce",
     "reduce_scatter",
     "settings",

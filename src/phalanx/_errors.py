@@ -24,6 +24,7 @@ __all__ = [
     "NotInGroupError",
     "NotInitializedError",
     "PhalanxError",
+    "QuorumLostError",
     "RankFailedError",
     "RendezvousError",
     "SimulatedHostsUnavailableError",
@@ -117,6 +118,12 @@ class CollectiveTimeoutError(PhalanxError, TimeoutError):
 
 class RankFailedError(PhalanxError, RuntimeError):
     """A peer rank died or closed its connection during a collective."""
+
+
+class QuorumLostError(RankFailedError):
+    """This rank cannot continue in a re-formed world: its side of a failure holds no strict majority
+    of the last epoch (a partition), the survivors would be fewer than ``--min-ranks``, or the
+    launcher declared this rank lost. ``str()`` names the epoch, the ranks on each side and the fix."""
 
 
 class WorldBrokenError(PhalanxError, RuntimeError):

@@ -139,7 +139,10 @@ def install_abort_hook(world: Any) -> None:
     job is aborted instead.
     """
     backend = world.backend
-    mark_rank("ready", backend.rank)
+    # In a world with epochs the launcher knows each process by its slot (RANK as it started it), not by
+    # its rank in the current epoch.
+    slot = env_rank() if os.environ.get("PHALANX_ELASTIC") else None
+    mark_rank("ready", backend.rank if slot is None else slot)
     if backend.size <= 1 or getattr(sys.excepthook, "_phalanx", False):
         return
     previous = sys.excepthook
@@ -155,7 +158,7 @@ def install_abort_hook(world: Any) -> None:
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         try:
-            record_failure(exc_type, exc, tb, backend.rank)
+            record_failure(exc_type, exc, tb, backend.rank if slot is None else slot)
             previous(exc_type, exc, tb)
             sys.stderr.write(
                 f"phalanx: rank {backend.rank}/{backend.size} raised {exc_type.__name__}; "

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Literal, Protocol, cast
 
-from . import _current, _trace
+from . import _current, _epochs, _trace
 from ._agreement import MASK, call_site, mismatch_error, timeout_error
 from ._arrays import Buffer
 from ._devices import rank_device
@@ -98,6 +98,8 @@ class World:
         self.size = backend.size
         self.timeout = timeout
         self.check = check and backend.size > 1
+        self.checks = check  # as asked: a re-formed world of more ranks checks again (_epochs)
+        self.epoch: int | None = None  # in a world with epochs (phalanx._epochs): its number, else None
         self.debug = debug
         self.devices = devices
         self.calls = 0  # collectives entered so far on this rank
@@ -117,10 +119,11 @@ class World:
     def ready(self, call: str, until: Pending | None = None) -> None:
         """Raise if the world is broken; post the pending non-blocking calls (before ``until``)."""
         if self.broken is not None:
+            fix = ("Call phalanx.reform() on every surviving rank to continue in a new epoch (fit(elastic=True) "
+                   "does), then use the objects made in it." if self.epoch is not None else
+                   "Let the exception end the job (the launcher stops every rank) and restart from a checkpoint.")
             raise WorldBrokenError(
-                f"phalanx.{call}: the world is unusable after an earlier failure ({self.broken}). "
-                "Let the exception end the job (the launcher stops every rank) and restart from a "
-                "checkpoint.")
+                f"phalanx.{call}: the world is unusable after an earlier failure ({self.broken}). {fix}")
         if self._pending:
             self.flush(call, until)
 
@@ -217,10 +220,11 @@ class World:
 
     def peer_lost(self, call: str, exc: BaseException) -> RankFailedError:
         self.mark_broken(f"a peer was lost during {call}")
+        after = (f"This epoch ({self.epoch}) of the world cannot be used any more: phalanx.reform() re-forms "
+                 "it with the survivors." if self.epoch is not None else "This world cannot be used any more.")
         return RankFailedError(
             f"phalanx.{call}: a peer rank died or closed its connection ({exc}). The failing rank's "
-            "own error is in its output (`phalanx run` reports it first). This world cannot be used "
-            "any more."
+            f"own error is in its output (`phalanx run` reports it first). {after}"
         )
 
     def mark_broken(self, why: str) -> None:
@@ -316,10 +320,14 @@ def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, tim
         raise InvalidSettingError(f"phalanx.init: phalanx.settings.timeout={settings.timeout!r} must be a "
                                   "positive, finite number of seconds, e.g. phalanx.settings.timeout = 60.")
     mark_rank("init")  # for `phalanx run --start-timeout`: this rank has reached init
+    epoch = None
+    if name in ("gloo", "nccl", "torch") and _epochs.available():  # the launcher re-forms this job's worlds
+        epoch = _epochs.first_epoch(seconds)
     impl = _make_backend(name, timeout=seconds, gpu_aware_mpi=gpu_aware_mpi if gpu_aware_mpi is not None
-                         else settings.gpu_aware_mpi, devices=devices)
+                         else settings.gpu_aware_mpi, devices=devices, epoch=epoch)
     world = World(impl, timeout=seconds, check=settings.check if check is None else check,
                   debug=settings.debug if debug is None else debug, devices=devices)
+    world.epoch = None if epoch is None else epoch.number
     swap(world)
     install_abort_hook(world)
     # After the abort hook's: exit handlers run last-registered first, so a normal exit shuts down
@@ -329,8 +337,22 @@ def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, tim
     return impl
 
 
+def reformed(old: World, epoch: _epochs.Epoch) -> World:
+    """The world of ``epoch``, made and installed in place of ``old`` (released already): the same
+    backend kind and settings, this process's new rank and size (:func:`phalanx._epochs.reform`)."""
+    impl = _make_backend(old.backend.name, timeout=old.timeout, gpu_aware_mpi=None, devices=old.devices,
+                         epoch=epoch)
+    world = World(impl, timeout=old.timeout, check=old.checks, debug=old.debug, devices=old.devices)
+    world.epoch = epoch.number
+    world.retry_mismatch = old.retry_mismatch
+    swap(world)
+    for hook in AT_EXIT:
+        atexit.register(hook, world)
+    return world
+
+
 def _make_backend(name: str, *, timeout: float, gpu_aware_mpi: bool | None,
-                  devices: list[Any] | None) -> Backend:
+                  devices: list[Any] | None, epoch: _epochs.Epoch | None = None) -> Backend:
     if name == "local":
         from .comm._local import LocalBackend
 
@@ -341,7 +363,11 @@ def _make_backend(name: str, *, timeout: float, gpu_aware_mpi: bool | None,
         return MPIBackend(gpu_aware_mpi=gpu_aware_mpi)
     from .comm._torch import TorchBackend
 
-    return TorchBackend(None if name == "torch" else name, timeout=timeout, devices=devices)
+    if epoch is None:
+        return TorchBackend(None if name == "torch" else name, timeout=timeout, devices=devices)
+    ms = _epochs.membership()
+    return TorchBackend(None if name == "torch" else name, timeout=timeout, devices=devices, epoch=epoch,
+                        interrupted=ms.interrupted if ms is not None else None)
 
 
 def initialized() -> bool:

@@ -26,7 +26,7 @@ from .._net import (
     route_source,
 )
 
-__all__ = ["MIN_SECRET", "Plan", "plan"]
+__all__ = ["MIN_SECRET", "Plan", "job_key", "plan"]
 
 MIN_SECRET = 16  # characters of PHALANX_SECRET (the launcher's: 64 hex digits)
 _HOW = ("choose one with `phalanx run --iface NAME` or the environment variable PHALANX_IFACE=NAME "
@@ -144,6 +144,11 @@ def _name_is_loopback() -> bool:
         return is_loopback(resolve(socket.gethostname()))
     except OSError:
         return True
+
+
+def job_key(host: str) -> bytes:
+    """The job's secret as the guards prove it (``PHALANX_SECRET``; RendezvousError naming the fix when unset)."""
+    return _secret(host)
 
 
 def _secret(host: str) -> bytes:

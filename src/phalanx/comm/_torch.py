@@ -23,7 +23,7 @@ import numpy as np
 
 from .._devices import rank_device
 from .._errors import BackendUnavailableError, InvalidArgumentError, UsageError
-from ._base import WaitTimeout
+from ._base import PeerLost, WaitTimeout
 from ._hier import build_hierarchy
 from ._shard_ops import TorchShardOps
 from ._store_queries import diagnose, node_ranks_from_store
@@ -41,6 +41,8 @@ from ._wait import poll
 
 __all__ = ["TorchBackend"]
 
+_SLICE_S = 0.25  # a world with epochs: how often a waiting rank asks whether its epoch ended
+
 class TorchBackend(TorchBuffers, TorchShardOps):
     """Backend over torch.distributed (gloo or NCCL); see the module docstring."""
 
@@ -48,18 +50,31 @@ class TorchBackend(TorchBuffers, TorchShardOps):
     _rendezvous: Rendezvous | None = None  # phalanx's own meeting (when it made the process group)
     _group: Any = None  # a subgroup backend's process group (None: the world's)
 
-    def __init__(self, name: str | None, *, timeout: float, devices: list[Any] | None = None) -> None:
+    def __init__(self, name: str | None, *, timeout: float, devices: list[Any] | None = None,
+                 epoch: Any = None, interrupted: Callable[[], str | None] | None = None) -> None:
+        """``epoch`` (a :class:`phalanx._epochs.Epoch`): this rank's place in a world with epochs, whose
+        store the launcher serves; ``interrupted()`` then says why the epoch ended, and every wait
+        looks at it (``_wait``)."""
         torch = import_torch()
         dist = self._dist = torch.distributed
         self._torch = torch
         TorchBackend._made += 1
-        self._prefix = f"phalanx/{TorchBackend._made}/"
+        generation: int | str = TorchBackend._made if epoch is None else f"e{epoch.number}"
+        self._prefix = f"phalanx/{generation}/"
+        self._interrupted = interrupted if epoch is not None else None
         self._owns_group = not dist.is_initialized()
+        if epoch is not None and not self._owns_group:
+            raise UsageError("phalanx.init: torch.distributed is already initialized, and this job's world "
+                             "re-forms in place (phalanx run --max-restarts/--min-ranks): let phalanx make "
+                             "the process group (call phalanx.init() before torch.distributed's own).")
         if self._owns_group:
             name = name or ("nccl" if torch.cuda.is_available() else "gloo")
             self._check_available(name)
-            self.rank, self.size = env("RANK", int), env("WORLD_SIZE", int)
-            meeting = Rendezvous(dist, self.rank, self.size, timeout, TorchBackend._made)
+            if epoch is None:
+                self.rank, self.size = env("RANK", int), env("WORLD_SIZE", int)
+            else:
+                self.rank, self.size = epoch.rank, epoch.size
+            meeting = Rendezvous(dist, self.rank, self.size, timeout, generation, served=epoch is not None)
             self._store, self._rendezvous = meeting.store, meeting
             try:
                 self._setup(name, timeout, devices, meeting)
@@ -179,8 +194,27 @@ class TorchBackend(TorchBuffers, TorchShardOps):
         if self._nccl:
             poll(work.is_completed, timeout)  # never blocks the host on a kernel that cannot finish
             work.wait()
-        else:
+        elif self._interrupted is None:
             work.wait(timedelta(seconds=timeout))
+        else:
+            self._wait_interruptible(work, timeout, self._interrupted)
+
+    def _wait_interruptible(self, work: Any, timeout: float, interrupted: Callable[[], str | None]) -> None:
+        """A world with epochs: wait in slices of a quarter second, and between them ask whether the
+        epoch ended (a peer exited or asked to re-form): then PeerLost at once, not after ``timeout``.
+        (A gloo ``Work`` whose wait timed out is still in flight: it can be waited again.)"""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                work.wait(timedelta(seconds=max(0.001, min(_SLICE_S, left))))
+                return
+            except RuntimeError as exc:
+                if left <= _SLICE_S or not isinstance(translate(exc), WaitTimeout):
+                    raise
+            why = interrupted()
+            if why is not None:
+                raise PeerLost(f"the launcher ended this epoch: {why}")
 
     @translating
     def _order(self, work: Any, timeout: float) -> None:

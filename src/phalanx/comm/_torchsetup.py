@@ -128,11 +128,15 @@ def env(name: str, kind: type = str) -> Any:
 class Rendezvous:
     """The ranks' meeting point: the store, and what each rank told it when it joined."""
 
-    def __init__(self, dist: Any, rank: int, size: int, timeout: float, generation: int) -> None:
+    def __init__(self, dist: Any, rank: int, size: int, timeout: float, generation: int | str,
+                 served: bool = False) -> None:
         self.rank, self.size, self.timeout = rank, size, timeout
         self.host, self.port = env("MASTER_ADDR"), env("MASTER_PORT", int)
         self.where = f"{self.host}:{self.port}"
         self.prefix = f"phalanx/{generation}/"
+        # ``served``: the launcher serves the store for the whole job (a world with epochs, phalanx._epochs);
+        # every rank is a client, and this epoch's keys are its own (``generation`` names the epoch).
+        self.served, self.generation = served, generation
         if not 0 <= rank < size:
             raise LaunchEnvironmentError(
                 f"phalanx.init: RANK={rank} is not a rank of WORLD_SIZE={size} (need 0 <= RANK < "
@@ -157,7 +161,7 @@ class Rendezvous:
         self.store = None
 
     def _connect(self, dist: Any) -> Any:
-        serve, guarded = self.rank == 0 and not self.agent, self.plan.guarded
+        serve, guarded = self.rank == 0 and not self.agent and not self.served, self.plan.guarded
         host, port, options = self.host, self.port, {}
         if serve:  # the store on loopback behind the guard, or on the one address every rank uses
             listener = _listen("127.0.0.1" if guarded else self.plan.bind[0], 0 if guarded else port)
@@ -189,6 +193,8 @@ class Rendezvous:
                     "or let `phalanx run` choose one.") from None
         if self.agent:
             store = dist.PrefixStore(f"phalanx{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        elif self.served:
+            store = dist.PrefixStore(f"phalanx-{self.generation}", store)
         return store
 
     def _await_open(self, dist: Any) -> None:
@@ -310,7 +316,7 @@ class Rendezvous:
     def node_ranks(self) -> tuple[int, int]:
         """(local rank, local size): the launcher's, else counted from the hosts the ranks joined from."""
         local, count = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
-        if local.isdigit() and count.isdigit():
+        if local.isdigit() and count.isdigit() and not self.served:  # an epoch's ranks are not the launcher's
             return int(local), int(count)
         here = [r for r, h in enumerate(self.hosts) if h == self.hosts[self.rank]]
         return here.index(self.rank), len(here)

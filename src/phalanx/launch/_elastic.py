@@ -81,7 +81,7 @@ def run_elastic(job: Launch, signals: Signals, attempt: Callable[[Launch, Signal
         code = attempt(dataclasses.replace(current, env=env), signals)
         if code == 0 or signals.received:
             return code
-        if count == job.max_restarts:
+        if count + len(job.replaced) >= job.max_restarts:
             if job.max_restarts:
                 notice(f"not restarting: the job failed {count + 1} times and --max-restarts {job.max_restarts} "
                        f"are used up (exit status {code}; the reports above name the failing ranks).")

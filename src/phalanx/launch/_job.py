@@ -68,6 +68,8 @@ class Launch:
     iface: str | None = None  # network interface for the ranks (PHALANX_IFACE; default: the route to master)
     secret_file: str | None = None  # file holding the job's secret (default: $PHALANX_SECRET)
     max_restarts: int = 0  # a failed job is started again up to this many times (._elastic)
+    # slots given a replacement in place (._epochs): they count against max_restarts with whole restarts
+    replaced: list[int] = field(default_factory=list)
     min_ranks: int | None = None  # a restart on fewer ranks than this is refused (default 1)
     hosts: list[Host] | None = None  # ranks on these hosts (--hosts/--hostfile; ._hostlist); None: all here
     rsh: str | None = None  # the command that starts a process on another host (default: ssh)

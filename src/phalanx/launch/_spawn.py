@@ -14,6 +14,7 @@ On several hosts (:mod:`._on_each_host`, :mod:`._remote`) the ranks started here
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import socket
 import subprocess
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ._epochs import Coordinator, wants_epochs
 from ._job import GRACE, Launch, Signals, notice, worker_command
 from ._jobdir import any_record, read_records
 from ._logs import Echo, log_path, pump
@@ -89,25 +91,62 @@ def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals,
     """
     start = time.time()
     placement = placement or Placement(world_size=job.n, ranks=tuple(range(job.n)))
-    procs = _start_ranks(job, env, placement)
+    epochs = None
+    if wants_epochs(job) and placement.world_size == job.n:  # the store here: the world re-forms in place
+        port = free_port()
+        epochs = Coordinator(job, port, env["PHALANX_SECRET"], float(env.get("PHALANX_TIMEOUT") or 300.0))
+        placement = dataclasses.replace(placement, master_port=port)
+    try:
+        return _supervise(job, env, job_dir, signals, placement, lost, outcome, epochs, start)
+    finally:
+        if epochs is not None:
+            epochs.close()
+
+
+def _supervise(job: Launch, env: dict[str, str], job_dir: str, signals: Signals, placement: Placement,
+               lost: Callable[[], str | None] | None, outcome: Outcome | None, epochs: Coordinator | None,
+               start: float) -> int:
+    procs = _start_ranks(job, env, placement, epochs)
     # Readers start after the last fork: preexec_fn and running threads do not mix.
     readers: list[threading.Thread] = []
     files = []
     tails = {rank: bytearray() for rank in procs}  # what each rank wrote last: what gloo said, should it abort
-    for rank, proc in procs.items():
+
+    def read(rank: int, proc: subprocess.Popen[bytes], mode: str = "wb") -> None:
         if job.log_dir is not None:
             assert proc.stdout is not None
-            files.append(open(log_path(job.log_dir, rank), "wb"))  # closed once its reader is done
+            files.append(open(log_path(job.log_dir, rank), mode))  # closed once its reader is done
             readers.append(pump(proc.stdout, [files[-1]], Echo(rank, job.echo), tail=tails[rank]))
         elif proc.stderr is not None:
             readers.append(pump(proc.stderr, [sys.stderr.buffer], tail=tails[rank]))
+
+    for rank, proc in procs.items():
+        read(rank, proc)
     ranks = _Ranks(procs)
+
+    def respawn(slot: int, extra: dict[str, str]) -> int:
+        """A replacement at ``slot`` (a world with epochs): started, read, supervised like the others."""
+        proc = _popen(job, dict(_rank_env(env, placement, slot, str(placement.master_port)), **extra))
+        procs[slot] = proc
+        tails[slot] = bytearray()
+        read(slot, proc, "ab")
+        return proc.pid
+
     # Every rank here reports to this job directory only when the whole world runs here.
     timeout = (job.start_timeout or float("inf")) if placement.world_size == job.n else float("inf")
     clock = StartClock(job_dir, job.n, timeout)
     why_lost = None
     while True:
         running = ranks.reap()
+        if epochs is not None and ranks.deaths:
+            ended = {slot: procs[slot] for slot in ranks.deaths}
+            for slot in epochs.tick(ranks.deaths, respawn):
+                del ranks.deaths[slot]  # absorbed: the job goes on (a replacement may be at the slot)
+                if procs[slot] is ended[slot]:
+                    del procs[slot]
+            running = ranks.reap()
+        elif epochs is not None:
+            epochs.tick({}, respawn)
         # A recorded exception ends the job at once, before its rank has finished exiting.
         failed = ranks.failed() or any_record(job_dir)
         why_lost = lost() if lost is not None and not failed else None
@@ -138,24 +177,37 @@ def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals,
     return _report(job_dir, ranks.deaths, start, outcome) if failed else 0
 
 
-def _start_ranks(job: Launch, env: dict[str, str], placement: Placement) -> dict[int, subprocess.Popen[bytes]]:
+def _rank_env(env: dict[str, str], placement: Placement, local: int, port: str) -> dict[str, str]:
+    """The environment of the ``local``-th rank started here: the torch.distributed and Horovod variables."""
+    rank = placement.ranks[local]
+    return dict(env, **placement.env, RANK=str(rank), WORLD_SIZE=str(placement.world_size),
+                LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(len(placement.ranks)),
+                MASTER_ADDR=placement.master_addr, MASTER_PORT=port,
+                # what horovodrun's gloo launcher sets (Horovod scripts and tests read them)
+                HOROVOD_RANK=str(rank), HOROVOD_SIZE=str(placement.world_size),
+                HOROVOD_LOCAL_RANK=str(local), HOROVOD_LOCAL_SIZE=str(len(placement.ranks)))
+
+
+def _popen(job: Launch, rank_env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """One rank's process, in its own session (stopping it stops what it started)."""
+    logs = job.log_dir is not None
+    return subprocess.Popen(
+        worker_command(job.target), env=rank_env, start_new_session=True, preexec_fn=child_setup(),
+        stdout=subprocess.PIPE if logs else None, stderr=subprocess.STDOUT if logs else subprocess.PIPE,
+    )
+
+
+def _start_ranks(job: Launch, env: dict[str, str], placement: Placement,
+                 epochs: Coordinator | None = None) -> dict[int, subprocess.Popen[bytes]]:
     """Each rank with the torch.distributed environment, in its own session; all or none started."""
     port = str(placement.master_port or free_port())
-    setup = child_setup()
-    logs = job.log_dir is not None
     procs: dict[int, subprocess.Popen[bytes]] = {}
     try:
         for local, rank in enumerate(placement.ranks):
-            rank_env = dict(env, **placement.env, RANK=str(rank), WORLD_SIZE=str(placement.world_size),
-                            LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(len(placement.ranks)),
-                            MASTER_ADDR=placement.master_addr, MASTER_PORT=port,
-                            # what horovodrun's gloo launcher sets (Horovod scripts and tests read them)
-                            HOROVOD_RANK=str(rank), HOROVOD_SIZE=str(placement.world_size),
-                            HOROVOD_LOCAL_RANK=str(local), HOROVOD_LOCAL_SIZE=str(len(placement.ranks)))
-            procs[rank] = subprocess.Popen(
-                worker_command(job.target), env=rank_env, start_new_session=True, preexec_fn=setup,
-                stdout=subprocess.PIPE if logs else None, stderr=subprocess.STDOUT if logs else subprocess.PIPE,
-            )
+            extra = epochs.env(rank) if epochs is not None else {}
+            procs[rank] = _popen(job, dict(_rank_env(env, placement, local, port), **extra))
+            if epochs is not None:
+                epochs.started(rank, procs[rank].pid)
     except BaseException:
         stop_groups([p.pid for p in procs.values()], lambda: [p.pid for p in procs.values() if p.poll() is None],
                     GRACE)

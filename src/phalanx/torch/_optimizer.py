@@ -265,6 +265,32 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
         self._broadcast(list(self.optimizer.param_groups[-1]["params"]))
         self._reduced_at_step = self._engine.reductions
 
+    def rebind(self, epoch: Any = None) -> None:
+        """Reduce over the current world from now on, after :func:`phalanx.reform` (the contract through
+        which engines follow a re-formed world; ``epoch`` is what :func:`phalanx.on_reform` passes).
+
+        Collective on the new world: a new gradient engine over the same parameters, its
+        structure agreed with every rank (a replacement's new DistributedOptimizer made with
+        ``broadcast_parameters=False`` agrees with it). The wrapped optimizer's state is kept;
+        the gradients are dropped (the interrupted step is done again). UsageError for a
+        sharded optimizer or one over a group: neither can follow a changed world yet.
+        """
+        if self._shard is not None or self._group is not None:
+            raise UsageError(
+                f"phalanx.{_CALL}.rebind: a {'sharded' if self._shard else 'group'} optimizer cannot follow a "
+                "re-formed world: its state is split by the old world's ranks. Make a new one from a "
+                "checkpoint, or use shard=None over the whole world.")
+        old = self._engine
+        old.close()
+        for p in self._all_params():
+            p.grad = None
+        # The collectives of __init__ (without its broadcast), in its order: a replacement makes them there.
+        check_shard(_CALL, self._shard, self._options["compression"], self._group, modules=False)
+        self._engine = self._make_engine()
+        self._engine.step_label = old.step_label
+        self.nonfinite = old.on_nonfinite
+        self._reduced_at_step = self._engine.reductions
+
     # -- the training loop --------------------------------------------------------
     def reduce_gradients(self) -> None:
         """Make sure the gradients are reduced across ranks; ``step()`` will not reduce again.

@@ -27,7 +27,8 @@ def fit(model: torch.nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], opt
         progress: bool = True, checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None, keep: int = 3, resume: str | os.PathLike[str] | None = None,
         plot: str | os.PathLike[str] | bool | None = None, on_nonfinite: FailurePolicy = "skip",
-        on_oom: FailurePolicy = "skip", max_skipped: int = 10, seed: int = 0, shuffle: bool = True,
+        on_oom: FailurePolicy = "skip", max_skipped: int = 10, elastic: bool = False, seed: int = 0,
+        shuffle: bool = True,
         num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
         compression: Compression | None = None, bucket_cap_mb: float = 25,
         shard: Literal["optimizer", "gradients", "parameters"] | None = None, units: Any = None) -> History:

@@ -69,6 +69,11 @@ OPTIONS_DOC = """
             ``"skip"`` the step or ``"raise"`` TrainingError, on every rank alike.
         on_oom: an out-of-memory error on any rank: the same choice.
         max_skipped: more skipped steps in a row than this raise TrainingError.
+        elastic: go on through lost ranks in place: under ``phalanx run --backend gloo --max-restarts K``
+            (or ``--min-ranks M``) the survivors re-form the world, redo the interrupted step on the same
+            ``global_batch_size`` (required) and continue; replacements join at a step boundary and
+            receive the state from a live peer. The result equals an uninterrupted run. Elsewhere
+            (one process, mpi, no such flag) it changes nothing. Not with replicas, sharding or PowerSGD.
     Logging:
         loggers, log_every: loggers (on rank 0) and how often training metrics are recorded.
         progress: a progress bar and a summary on rank 0.
@@ -108,6 +113,7 @@ class FitOptions:
     on_nonfinite: FailurePolicy = "skip"
     on_oom: FailurePolicy = "skip"
     max_skipped: int = 10
+    elastic: bool = False
     loggers: Iterable[Any] = ()
     log_every: int = 10
     progress: bool = True

@@ -62,8 +62,9 @@ class FailurePolicy:
         self.skipped = 0
         self.skipped_in_a_row = 0
 
-    def agree(self, failure: int, stop: bool, sums: np.ndarray) -> np.ndarray:
-        """Every rank's ``[failure bits, stop, loss sum, count, top-k hits...]``, as rows (collective)."""
+    def agree(self, failure: int, stop: float, sums: np.ndarray) -> np.ndarray:
+        """Every rank's ``[failure bits, stop, loss sum, count, top-k hits...]``, as rows (collective);
+        ``stop``: 1 for a stop signal, plus 2 to admit a waiting replacement (fit(elastic=True))."""
         mine = np.concatenate([[float(failure), float(stop)], sums])
         if self.size == 1:
             return mine[None, :]

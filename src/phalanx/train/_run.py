@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from .. import _world
+from .. import _epochs, _world
 from .._errors import InvalidArgumentError
 from .._sync import synchronize
-from . import _report
+from . import _elastic_fit, _report
 from ._batches import GlobalBatches, SeededSamples, sized
 from ._history import History
 from ._metrics import autocast, batch_sums, evaluate, loader_options, model_device, split_batch, to_device
@@ -51,6 +51,10 @@ class Run:
     def __init__(self, model: torch.nn.Module, loss_fn: Any, optimizer: Any, train_data: Any,
                  o: FitOptions) -> None:
         self.o, self.model, self.loss_fn = o, model, loss_fn
+        _elastic_fit.check(o)
+        self.elastic = o.elastic and _epochs.available()  # the world re-forms in place (_elastic_fit)
+        self.recoveries: list[dict[str, Any]] = []  # each re-formation: epoch, size, step, seconds, cause
+        self.grow_now = False
         self.train_data = sized("fit", "train_data", train_data)
         self.val_data = None if o.val_data is None else sized("fit", "val_data", o.val_data)
         self.rank, self.size = _world.rank(), _world.size()
@@ -83,7 +87,9 @@ class Run:
         self.bar: Any = None
         self.started = time.monotonic()
         self.samples_done = 0
-        if o.resume is not None:
+        if self.elastic:
+            _epochs.declare()
+        if o.resume is not None and not _epochs.joined_late():  # a replacement's state comes from its peers
             from ._resume import resume
 
             resume(self)
@@ -118,10 +124,11 @@ class Run:
                 with torch.no_grad():
                     synchronize({"model": self.model, "optimizer": self.inner}, root=0)
             self.replicas.synchronize()
-        elif self.size > 1 and not isinstance(self.model, DataParallel):
+        elif (self.size > 1 or self.elastic) and not isinstance(self.model, DataParallel):
             if not isinstance(optimizer, DistributedOptimizer):
                 self.dist_opt = DistributedOptimizer(
                     optimizer, compression=o.compression, bucket_cap_mb=o.bucket_cap_mb,
+                    broadcast_parameters=not self.elastic,  # elastic: resync() sends the newest state
                     shard=None if o.shard == "parameters" else o.shard,  # "parameters": wrapped in DataParallel
                     named_parameters=self.model.named_parameters())
                 self.step_opt = self.dist_opt
@@ -131,6 +138,8 @@ class Run:
         self._engine_checked = self.engine is not None and self.engine.check_finite
         if self.engine is not None:
             self.engine.check_finite = True
+        if self.elastic:
+            _elastic_fit.resync(self)
 
     # -- the loop -------------------------------------------------------------------
     def total_steps(self) -> int:
@@ -149,7 +158,10 @@ class Run:
         try:
             with stop_ctx if stop_ctx is not None else contextlib.nullcontext():
                 self.stop_signal = stop_ctx
-                self._train(total)
+                if self.elastic:
+                    _elastic_fit.train(self, total)
+                else:
+                    self._train(total)
             self._log_train()
             if self.history.stopped is None:
                 self._validate_if()
@@ -196,7 +208,6 @@ class Run:
                         continue
                     stop = self._step(micro)
                     micro = []
-                    at.start += per_step
                     done += 1
                     if stop:
                         break
@@ -204,6 +215,8 @@ class Run:
                         self._validate()
                     if o.checkpoint_every and at.global_step % o.checkpoint_every == 0:
                         self._checkpoint()
+                    if self.grow_now:  # every rank agreed in this step's exchange: admit the replacement
+                        raise _elastic_fit.GrowRequested
                     if done == limit:
                         break
             if self.history.stopped is not None:
@@ -234,7 +247,9 @@ class Run:
                 failure |= NONFINITE_GRAD
             self.replicas.allreduce_gradients("avg")
         stop = self.stop_signal is not None and self.stop_signal.requested
-        view = self.policy.agree(failure, stop, sums)
+        grow = self.elastic and self.rank == 0 and _epochs.grow_requested()  # rank 0 asks, all learn it here
+        view = self.policy.agree(failure, float(stop) + 2.0 * grow, sums)
+        self.grow_now = bool((view[:, 1] >= 2).any())
         where = f"step {self.progress.global_step} (epoch {self.epochs_done():g})"
         if self.policy.decide(view[:, 0].astype(int), where, lambda text: _report.message(self.bar, text)):
             self._apply_step()
@@ -243,11 +258,12 @@ class Run:
         self.samples_done += self.geometry.step_samples
         self.window += view[:, 2:].sum(axis=0)
         self.progress.global_step += 1
+        self.progress.start += self.geometry.step_samples  # with the step: a resync reads both
         if self.bar is not None:
             self.bar.update(1)
         if self.progress.global_step % o.log_every == 0:
             self._log_train()
-        if view[:, 1].any():
+        if (view[:, 1] % 2).any():
             self.history.stopped = self._stop_name()
             return True
         return False

@@ -1,0 +1,317 @@
+"""A world that changes while it runs: epochs, re-forming in place with the survivors, replacements.
+
+::
+
+    phalanx run -n 4 --backend gloo --max-restarts 3 train.py   # or --min-ranks M (shrink only)
+
+    while step < steps:
+        try:
+            train_step()
+        except phalanx.RankFailedError:        # a peer died, stalled past the timeout, or was cut off
+            phalanx.reform()                   # the survivors meet again: a new epoch, renumbered ranks
+            state = restore_from_a_live_peer() # e.g. phalanx.train.fit(elastic=True) does this for you
+
+Under ``phalanx run`` with ``--max-restarts`` or ``--min-ranks`` on gloo or nccl,
+the launcher serves the rendezvous store and decides every epoch's members
+(:mod:`phalanx.launch._epochs`); no rank, rank 0 included, holds anything the
+others need to meet again. Each rank keeps a connection to that store
+(:class:`Membership`) for the whole job:
+
+* while a collective waits, it looks (every quarter second) whether the launcher
+  marked the epoch broken (a rank exited, or a peer asked to re-form), so a
+  survivor's pending call raises at once instead of waiting out the timeout;
+* :func:`reform` checks in for the next epoch and waits for the launcher's
+  decision: the members that checked in, plus replacements waiting to join.
+  Only a side holding a strict majority of the last epoch continues, or one
+  whose launcher saw the missing ranks exit; fewer ranks than ``--min-ranks``
+  never continue. A rank left out raises :class:`QuorumLostError` naming why;
+* a replacement (started by the launcher for a lost rank) waits in ``init`` to
+  be admitted; the survivors admit it at their next step boundary (the launcher
+  raises the epoch's ``grow`` flag, :func:`grow_requested` reads it).
+
+The store's keys (all under ``elastic/``): ``e<E>/members`` (member ids in rank
+order), ``e<E>/broken`` (why epoch E ended), ``e<E>/grow``, ``e<E>/alive/<m>``
+(member m's check-in for the epoch after E), ``e<E>/verdict`` (no epoch follows E:
+why), ``declared/<m>``, ``join/<m>``, ``admit/<m>`` (the epoch that admits m).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ._errors import (
+    CollectiveTimeoutError,
+    QuorumLostError,
+    RankFailedError,
+    UsageError,
+    WorldBrokenError,
+)
+
+__all__ = ["ELASTIC_ENV", "JOINING_ENV", "MEMBER_ENV", "Epoch", "Membership", "available", "declare", "epoch",
+           "first_epoch", "grow_requested", "joined_late", "membership", "on_reform", "recoverable", "reform"]
+
+ELASTIC_ENV = "PHALANX_ELASTIC"  # "host:port": the launcher's store (behind the job's guard)
+MEMBER_ENV = "PHALANX_MEMBER"  # this process's member id (0..n-1 at the start, then n, n+1, ... for replacements)
+JOINING_ENV = "PHALANX_JOINING"  # "1": a replacement, admitted into a running job
+_CHECK_S = 0.2  # how often rank 0 asks the store whether a replacement waits (at step boundaries)
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One formation of the world: its ``number`` (0 at the start), this process's ``rank`` of ``size``,
+    the ``members`` (stable ids, in rank order), and what changed from the epoch before: the members
+    ``lost`` and ``joined``, and this process's ``previous_rank`` (None when it just joined)."""
+
+    number: int
+    rank: int
+    size: int
+    members: tuple[int, ...]
+    lost: tuple[int, ...] = ()
+    joined: tuple[int, ...] = ()
+    previous_rank: int | None = None
+
+
+class Membership:
+    """This rank's connection to the launcher's store, for the whole job (see the module notes)."""
+
+    def __init__(self, where: str, member: int, joining: bool, timeout: float) -> None:
+        from .comm._epoch_store import connect
+
+        self.where, self.member, self.joining = where, member, joining
+        self.timeout = timeout
+        self.store, self._guard = connect(where, timeout)
+        self.epoch: Epoch | None = None
+        self.declared = False
+        self._looked = 0.0
+        self.admitted_late = joining
+
+    # -- reading the store ---------------------------------------------------------
+    def _get(self, key: str) -> str | None:
+        try:
+            if not self.store.check([key]):
+                return None
+            return bytes(self.store.get(key)).decode()
+        except RuntimeError as exc:
+            raise RankFailedError(
+                f"phalanx: rank lost the launcher's rendezvous store at {self.where} ({exc}). The launcher "
+                "(`phalanx run` on the first host) serves it for the whole job: it has ended, or this host "
+                "was cut off from it. This rank cannot continue.") from None
+
+    def _set(self, key: str, value: str) -> None:
+        try:
+            self.store.set(key, value)
+        except RuntimeError as exc:
+            raise RankFailedError(f"phalanx: rank could not write to the launcher's rendezvous store at "
+                                  f"{self.where} ({exc}); the launcher has ended or this host was cut off.") from None
+
+    def interrupted(self) -> str | None:
+        """Why the current epoch ended, once the launcher (or a peer) marked it broken; else None."""
+        if self.epoch is None:
+            return None
+        try:
+            return self._get(f"elastic/e{self.epoch.number}/broken")
+        except RankFailedError as exc:
+            return str(exc)
+
+    def grow_requested(self) -> bool:
+        """Whether the launcher asks the current epoch to admit a replacement (looked up at most every
+        0.2 s; call it on one rank and share the answer: ranks must decide together)."""
+        now = time.monotonic()
+        if self.epoch is None or now - self._looked < _CHECK_S:
+            return False
+        self._looked = now
+        return self._get(f"elastic/e{self.epoch.number}/grow") is not None
+
+    def declare(self) -> None:
+        """Tell the launcher that this rank survives a lost peer by re-forming (set once)."""
+        if not self.declared:
+            self._set(f"elastic/declared/{self.member}", "1")
+            self.declared = True
+
+    # -- epochs ----------------------------------------------------------------------
+    def first(self) -> Epoch:
+        """The epoch this process starts in: 0 for the job's first ranks, the admitting one for a replacement."""
+        if not self.joining:
+            self.epoch = self._read(0, None)
+            return self.epoch
+        self._set(f"elastic/join/{self.member}", json.dumps({"pid": os.getpid()}))
+        number = self._await(f"elastic/admit/{self.member}", None, "to be admitted into the running job")
+        self.epoch = self._read(int(number), None)
+        self.declared = True  # a replacement only exists in a job that re-forms
+        return self.epoch
+
+    def reform(self, reason: str) -> Epoch:
+        """Check in for the epoch after the current one; its :class:`Epoch`, or QuorumLostError."""
+        assert self.epoch is not None  # internal invariant: reform() runs in a formed world
+        old = self.epoch
+        here = f"elastic/e{old.number}/"
+        if self._get(here + "broken") is None:
+            self._set(here + "broken", reason)
+        self._set(here + f"alive/{self.member}", json.dumps({"pid": os.getpid(), "rank": old.rank}))
+        self._await(f"elastic/e{old.number + 1}/members", here + "verdict", "for the launcher to re-form the world")
+        self.epoch = self._read(old.number + 1, old)
+        self.admitted_late = False
+        return self.epoch
+
+    def _await(self, key: str, verdict: str | None, what: str) -> str:
+        limit = 2 * self.timeout + 30  # the launcher waits up to the timeout for ranks still checking in
+        deadline, pause = time.monotonic() + limit, 0.002
+        while True:
+            value = self._get(key)
+            if value is not None:
+                return value
+            refused = self._get(verdict) if verdict is not None else None
+            if refused is not None:
+                raise QuorumLostError(refused)
+            if time.monotonic() > deadline:
+                raise QuorumLostError(
+                    f"phalanx.reform: rank waited {limit:g} s {what}, and the launcher at {self.where} gave no "
+                    "answer. It has stopped the job, or this host was cut off from it.")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+    def _read(self, number: int, old: Epoch | None) -> Epoch:
+        raw = self._get(f"elastic/e{number}/members")
+        if raw is None:
+            raise QuorumLostError(f"phalanx: epoch {number} has no members in the launcher's store at {self.where}.")
+        members = tuple(int(m) for m in json.loads(raw))
+        if self.member not in members:
+            lost_why = self._get(f"elastic/e{number - 1}/broken") or "a failure"
+            raise QuorumLostError(
+                f"phalanx.reform: the launcher re-formed the world without this rank (member {self.member}) "
+                f"in epoch {number} of {len(members)} rank(s), after {lost_why}: it did not check in within "
+                "the timeout (stalled, or cut off from the launcher). This rank ends; the job continues "
+                "without it.")
+        before = old.members if old is not None else ()
+        return Epoch(number, members.index(self.member), len(members), members,
+                     lost=tuple(m for m in before if m not in members),
+                     joined=tuple(m for m in members if m not in before) if old is not None else (),
+                     previous_rank=old.rank if old is not None else None)
+
+    def close(self) -> None:
+        if self._guard is not None:
+            self._guard.close()
+            self._guard = None
+
+
+_MEMBERSHIP: Membership | None = None
+_REBINDS: list[Callable[[Epoch], None]] = []
+
+
+def available() -> bool:
+    """Whether this process was started by a launcher that re-forms worlds (``phalanx run`` with
+    ``--max-restarts`` or ``--min-ranks`` on gloo/nccl)."""
+    return bool(os.environ.get(ELASTIC_ENV, "").strip())
+
+
+def membership() -> Membership | None:
+    """This process's :class:`Membership` once its world formed, else None."""
+    return _MEMBERSHIP
+
+
+def first_epoch(timeout: float) -> Epoch:
+    """Connect to the launcher's store and return the epoch this process starts in (``init`` calls it)."""
+    global _MEMBERSHIP
+    if _MEMBERSHIP is None:
+        member = os.environ.get(MEMBER_ENV, os.environ.get("RANK", "0"))
+        _MEMBERSHIP = Membership(os.environ[ELASTIC_ENV].strip(), int(member),
+                                 os.environ.get(JOINING_ENV) == "1", timeout)
+        return _MEMBERSHIP.first()
+    if _MEMBERSHIP.epoch is None:  # pragma: no cover - first() raised before: try again
+        return _MEMBERSHIP.first()
+    return _MEMBERSHIP.epoch
+
+
+def _required(call: str) -> Membership:
+    from . import _world
+
+    world = _world.current(call)
+    if _MEMBERSHIP is None or getattr(world, "epoch", None) is None:
+        raise UsageError(
+            f"phalanx.{call}: this world cannot re-form: it was not started by a launcher that keeps the "
+            "rendezvous. Run the script with `phalanx run -n N --backend gloo --max-restarts K train.py` "
+            "(or --min-ranks M to continue on fewer ranks); mpi worlds restart whole instead "
+            "(docs/cluster.md, \"Restarts\").")
+    return _MEMBERSHIP
+
+
+def epoch() -> int:
+    """The world's epoch: 0 until it is first re-formed (always 0 where worlds never re-form)."""
+    from . import _world
+
+    number = getattr(_world.current("epoch"), "epoch", None)
+    return 0 if number is None else int(number)
+
+
+def declare() -> None:
+    """Declare that this rank recovers from a lost peer in place (``fit(elastic=True)`` calls it): from
+    now on the launcher keeps the survivors running when a rank is lost, instead of ending the job.
+    Every rank must declare; a job where some rank has not behaves as without it. UsageError where
+    worlds cannot re-form."""
+    _required("declare").declare()
+
+
+def joined_late() -> bool:
+    """True on a replacement until its first re-formation: its state must come from the live peers."""
+    return _MEMBERSHIP is not None and _MEMBERSHIP.admitted_late
+
+
+def grow_requested() -> bool:
+    """Whether a replacement waits to be admitted (cheap: the store is asked at most every 0.2 s).
+    Ranks may see it at different steps: decide on one rank and share the answer."""
+    return _MEMBERSHIP is not None and _MEMBERSHIP.grow_requested()
+
+
+def recoverable(exc: BaseException) -> bool:
+    """Whether ``exc`` is a lost peer that :func:`reform` can recover from (in a world that re-forms)."""
+    if _MEMBERSHIP is None or isinstance(exc, QuorumLostError):
+        return False
+    return isinstance(exc, (RankFailedError, CollectiveTimeoutError, WorldBrokenError))
+
+
+def on_reform(callback: Callable[[Epoch], None], *, cancel: bool = False) -> None:
+    """Call ``callback(epoch)`` after each re-formation, in the new world (the contract through which
+    engines, samplers and the user's own objects rebind); ``cancel=True`` takes it back."""
+    if cancel:
+        _REBINDS.remove(callback)
+    elif callback not in _REBINDS:
+        _REBINDS.append(callback)
+
+
+def reform(reason: str | None = None) -> Epoch:
+    """Re-form the world with the ranks still alive (and replacements waiting to join); the new :class:`Epoch`.
+
+    Call it on every surviving rank after a :class:`RankFailedError` or
+    :class:`CollectiveTimeoutError` (or when :func:`grow_requested` says a
+    replacement waits). The old world is released (its handles and groups are
+    refused from now on), the launcher decides the new members, and a new world
+    forms: ranks renumbered in their old order, replacements last. Then every
+    :func:`on_reform` callback runs. Nothing of the model or optimizer moves:
+    bring the state to the joined ranks yourself (``phalanx.synchronize`` or
+    ``phalanx.broadcast_object`` from a survivor), or let ``fit(elastic=True)`` do it.
+
+    Raises QuorumLostError where this rank does not continue (no majority, fewer
+    than ``--min-ranks``, or declared lost), and UsageError where worlds cannot re-form.
+    """
+    from . import _world
+
+    ms = _required("reform")
+    old = _world.current("reform")
+    why = reason or old.broken or f"rank {old.rank} asked to re-form the world"
+    old.mark_broken(f"the world was re-formed after epoch {getattr(old, 'epoch', 0)}: "
+                    "this handle or group belongs to the old one")
+    old.release()
+    new_epoch = ms.reform(why)
+    _world.reformed(old, new_epoch)
+    for callback in list(_REBINDS):
+        callback(new_epoch)
+    return new_epoch
+
+
+def describe_loss(exc: BaseException) -> str:
+    """One line for a recoverable failure, for notices."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

@@ -1,0 +1,244 @@
+"""The launcher's side of a world with epochs: the store, who is in each epoch, and replacements.
+
+``phalanx run -n N --backend gloo --max-restarts K`` (or ``--min-ranks M``) on one
+host serves the job's rendezvous store here, not in rank 0 (:mod:`phalanx.comm._epoch_store`),
+so it outlives any rank. The ranks' side is :mod:`phalanx._epochs`, whose notes give the keys.
+
+The spawner (:mod:`._spawn`) calls :meth:`Coordinator.tick` every poll. While not every member
+of the current epoch has declared that it re-forms (``fit(elastic=True)`` does), nothing
+changes: the first failure ends the job as always, and ``--max-restarts`` restarts it whole.
+Once all have:
+
+* a member that exits with a failure is *absorbed* (the job goes on): the epoch is marked
+  broken, so the survivors' pending collectives raise within a quarter second;
+* the next epoch forms once every member of the current one has checked in or is gone.
+  One that has neither checked in nor exited ``timeout`` seconds after the re-forming
+  began (stalled) is killed, so that it is gone for certain before the others continue;
+* only a strict majority of the last epoch continues, or the survivors of members this
+  launcher saw exit (on one host it sees every exit, so a lone survivor of 2 continues);
+  and never fewer than ``--min-ranks``: otherwise the epoch's verdict says why, the
+  survivors raise QuorumLostError, and the job ends as a failure;
+* with restarts left (``--max-restarts``), a lost member's slot gets a replacement
+  process; it waits to be admitted, the launcher raises the epoch's ``grow`` flag, and
+  the survivors admit it at their next step boundary (the next epoch: survivors first,
+  in their order, then replacements).
+
+Each process has a *member id* (``PHALANX_MEMBER``: 0..N-1, then N, N+1, ...) and
+keeps the *slot* (``RANK`` in its environment, its log ``rank.<slot>.log``) of the
+process it replaces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._epochs import ELASTIC_ENV, JOINING_ENV, MEMBER_ENV
+from ._job import Launch, notice
+from ._procs import signal_name
+
+__all__ = ["Coordinator", "wants_epochs"]
+
+_GRACE_AFTER_TIMEOUT = 5.0  # seconds beyond the ranks' timeout before a silent member counts as stalled
+
+
+def wants_epochs(job: Launch) -> bool:
+    """Whether ``job`` gets a world that can re-form in place: gloo/nccl on this host, with
+    ``--max-restarts`` or ``--min-ranks`` (``phalanx.train.fit(elastic=True)`` then uses it)."""
+    return job.backend in ("gloo", "nccl") and bool(job.max_restarts or job.min_ranks is not None)
+
+
+@dataclass
+class _Member:
+    id: int
+    slot: int
+    pid: int
+    admitted: bool = True
+
+
+@dataclass
+class _Reform:
+    """A re-forming in progress: since when, and the members known gone (id -> how)."""
+
+    since: float
+    gone: dict[int, str] = field(default_factory=dict)
+
+
+class Coordinator:
+    """Serves the store and decides the epochs of one job's ranks (see the module notes)."""
+
+    def __init__(self, job: Launch, port: int, secret: str, timeout: float) -> None:
+        from ..comm._epoch_store import serve
+
+        self.server = serve(port, secret)
+        self.store = self.server.store
+        self.n, self.timeout = job.n, timeout
+        self.restarts_left = max(0, job.max_restarts - len(job.replaced))
+        self.replaced = job.replaced  # shared with the whole-job restarts (._elastic): one budget
+        self.min_ranks = job.min_ranks or 1
+        self.epoch = 0
+        self.current: list[int] = list(range(job.n))  # member ids in rank order
+        self.members: dict[int, _Member] = {}
+        self.next_id = job.n
+        self.declared: set[int] = set()
+        self.reform: _Reform | None = None
+        self.grow_raised = False
+        self.killed: dict[int, int] = {}  # slot -> member id of a stalled rank this launcher killed
+        self.ended = False  # a verdict ended the job: failures end it as always from now on
+        self.store.set("elastic/e0/members", json.dumps(self.current))
+
+    # -- what the ranks get ----------------------------------------------------------
+    def env(self, slot: int, member: int | None = None) -> dict[str, str]:
+        """The environment a rank of slot ``slot`` gets (``member``: a replacement's new id)."""
+        out = {ELASTIC_ENV: f"127.0.0.1:{self.server.port}", MEMBER_ENV: str(slot if member is None else member)}
+        if member is not None:
+            out[JOINING_ENV] = "1"
+        return out
+
+    def started(self, slot: int, pid: int, member: int | None = None) -> None:
+        """The spawner started ``pid`` for ``slot`` (a replacement: with its ``member`` id)."""
+        m = slot if member is None else member
+        self.members[m] = _Member(m, slot, pid, admitted=member is None)
+
+    def close(self) -> None:
+        self.server.close()
+
+    # -- every poll ------------------------------------------------------------------------
+    def tick(self, deaths: dict[int, Any], respawn: Callable[[int, dict[str, str]], int]) -> list[int]:
+        """Look at the ranks' ends (``deaths``: slot -> Death, of the processes now at each slot) and the
+        store; returns the slots whose failure the job absorbs (the spawner forgets those processes).
+        ``respawn(slot, env)`` starts a replacement at ``slot`` and returns its pid."""
+        if self.ended:
+            return []
+        absorbed: list[int] = []
+        by_slot = {m.slot: m for m in self.members.values()}
+        elastic = self._all_declared()
+        for slot, death in deaths.items():
+            if slot in self.killed:  # a stalled member this launcher killed: already out of its epoch
+                del self.killed[slot]
+                absorbed.append(slot)
+                self._replace(slot, respawn)
+                continue
+            member = by_slot.get(slot)
+            if member is None or death.code == 0 or not (elastic or not member.admitted):
+                continue
+            absorbed.append(slot)
+            del self.members[member.id]
+            how = _how(death.code)
+            if member.id in self.current:
+                self._begin(f"rank {self.current.index(member.id)} (pid {member.pid}) {how}")
+                assert self.reform is not None
+                self.reform.gone[member.id] = how
+            notice(f"the rank in slot {slot} (pid {member.pid}) {how}; the job continues in place"
+                   f"{'' if member.id in self.current else ' (it had not joined yet)'}.")
+            self._replace(slot, respawn)
+        if elastic:
+            self._progress()
+        return absorbed
+
+    def _replace(self, slot: int, respawn: Callable[[int, dict[str, str]], int]) -> None:
+        """Start a replacement at ``slot`` while ``--max-restarts`` allow it."""
+        if self.restarts_left <= 0:
+            return
+        self.restarts_left -= 1
+        self.replaced.append(slot)
+        new = self.next_id
+        self.next_id += 1
+        pid = respawn(slot, self.env(slot, new))
+        self.started(slot, pid, new)
+        notice(f"started a replacement for slot {slot} (pid {pid}; {self.restarts_left} more allowed by "
+               "--max-restarts); it joins at the survivors' next step boundary.")
+
+    def _all_declared(self) -> bool:
+        for m in self.current:
+            if m not in self.declared and self.store.check([f"elastic/declared/{m}"]):
+                self.declared.add(m)
+        return bool(self.current) and all(m in self.declared for m in self.current)
+
+    def _begin(self, why: str) -> None:
+        """Start re-forming (once per epoch): mark the epoch broken, so waiting ranks stop waiting."""
+        if self.reform is None:
+            self.reform = _Reform(time.monotonic())
+        key = f"elastic/e{self.epoch}/broken"
+        if not self.store.check([key]):
+            self.store.set(key, why)
+
+    def _progress(self) -> None:
+        here = f"elastic/e{self.epoch}/"
+        checked = [m for m in self.current if self.store.check([f"{here}alive/{m}"])]
+        if self.reform is None and checked:  # a rank asked (a timeout, a grow, its own reform() call)
+            self._begin(self._get(here + "broken") or "a rank asked to re-form the world")
+        if self.reform is None:
+            self._offer_joiners()
+            return
+        gone = self.reform.gone
+        pending = [m for m in self.current if m not in checked and m not in gone]
+        if pending and time.monotonic() - self.reform.since < self.timeout + _GRACE_AFTER_TIMEOUT:
+            return
+        for m in pending:  # stalled past the timeout: gone for certain before the others go on
+            member = self.members.pop(m, None)
+            if member is not None:
+                _kill(member.pid)
+                self.killed[member.slot] = m
+            gone[m] = "did not check in within the timeout (stalled), and was killed"
+        self._form([m for m in checked if m not in gone], gone)
+
+    def _offer_joiners(self) -> None:
+        waiting = self._waiting()
+        if waiting and not self.grow_raised:
+            self.store.set(f"elastic/e{self.epoch}/grow", "1")
+            self.grow_raised = True
+
+    def _waiting(self) -> list[int]:
+        return [m.id for m in sorted(self.members.values(), key=lambda m: m.id)
+                if not m.admitted and self.store.check([f"elastic/join/{m.id}"])]
+
+    def _form(self, survivors: list[int], gone: dict[int, str]) -> None:
+        last = self.current
+        seen_exit = True  # one host: this launcher saw (or made) every missing member's exit
+        majority = 2 * len(survivors) > len(last)
+        joiners = self._waiting()
+        members = survivors + joiners
+        here = f"elastic/e{self.epoch}/"
+        lost = "; ".join(f"rank {last.index(m)}: {how}" for m, how in gone.items())
+        if not (majority or seen_exit) or len(members) < self.min_ranks or not survivors:
+            why = (f"fewer than --min-ranks {self.min_ranks}" if len(members) < self.min_ranks
+                   else "no strict majority of the last epoch, and the missing ranks were not seen to exit")
+            verdict = (f"phalanx.reform: epoch {self.epoch} of {len(last)} rank(s) lost {lost or 'no rank'}; the "
+                       f"{len(survivors)} survivor(s) (ranks {[last.index(m) for m in survivors]}) cannot continue: "
+                       f"{why}. The job ends; lower --min-ranks, or restart it from its checkpoint.")
+            self.store.set(here + "verdict", verdict)
+            notice(verdict.replace("phalanx.reform: ", ""))
+            self.reform, self.ended = None, True
+            return
+        self.epoch += 1
+        self.store.set(f"elastic/e{self.epoch}/members", json.dumps(members))
+        for m in joiners:
+            self.members[m].admitted = True
+            self.declared.add(m)
+            self.store.set(f"elastic/admit/{m}", str(self.epoch))
+        self.current, self.reform, self.grow_raised = members, None, False
+        change = "; ".join(filter(None, [f"lost {lost}" if lost else "",
+                                         f"admitted {len(joiners)} replacement(s)" if joiners else ""]))
+        notice(f"epoch {self.epoch}: the world re-formed in place on {len(members)} rank(s) ({change}).")
+
+    def _get(self, key: str) -> str | None:
+        return bytes(self.store.get(key)).decode() if self.store.check([key]) else None
+
+
+def _how(code: int | None) -> str:
+    if code is None:
+        return "ended"
+    return f"was killed by {signal_name(-code)}" if code < 0 else f"exited with status {code}"
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # its own session: the rank and what it started
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,177 @@
+"""``fit(elastic=True)``: a run that goes on through lost ranks, re-formed in place (:mod:`phalanx._epochs`).
+
+What happens on every rank when a peer is lost (dies, stalls past the timeout,
+is cut off) during a step:
+
+1. the pending collective raises (within a quarter second of the launcher
+   noticing: :meth:`TorchBackend._wait_interruptible`), and :func:`recover` runs;
+2. the gradient engine is rebound to nothing and the step's gradients dropped:
+   no rank applied the interrupted step, since an update needs every rank's
+   reduced gradients (a rank that completed the step's last collective before
+   the loss did apply it: then it holds the newer state, see 4);
+3. :func:`phalanx.reform` forms the next epoch with the survivors (and the
+   replacements waiting), then the DistributedOptimizer rebinds to it
+   (:meth:`~phalanx.torch.DistributedOptimizer.rebind`: a new engine over the
+   same parameters), and everything sized by the world (the per-rank share of
+   ``global_batch_size``, the sampler's offset, the policy) is made again;
+4. :func:`resync`: the ranks agree which of them has applied the most steps
+   (they differ by at most one: a step completes everywhere or nowhere, except
+   for a loss after its last collective) and the lowest such rank sends its
+   whole state (model, optimizer, scheduler, scaler, position, RNG, metrics) to
+   every rank, as bytes loaded with ``torch.load(weights_only=True)``: nothing a
+   peer sends is unpickled beyond tensors and plain values.
+
+So the step that was interrupted is done again by the new world on the same
+global batch, and the run ends with the parameters of an uninterrupted one.
+A replacement runs the same script from the start; its ``fit`` skips
+``resume=`` and the initial broadcast, and takes part in :func:`resync` from
+the survivors' next step boundary (the launcher's ``grow`` flag, agreed in the
+step's own exchange: ``_run.Run._step``).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _epochs
+from .._collectives import allgather, broadcast
+from .._errors import InvalidArgumentError
+from ._history import History
+from ._policy import FailurePolicy
+
+__all__ = ["GrowRequested", "check", "rebind", "recover", "resync", "train"]
+
+
+class GrowRequested(Exception):
+    """Internal: the ranks agreed to admit a waiting replacement at this step boundary."""
+
+
+def check(o: Any) -> None:
+    """Refuse what ``elastic=True`` cannot do yet (InvalidArgumentError naming the fix; nothing has run)."""
+    if not o.elastic:
+        return
+    why = None
+    if o.global_batch_size is None:
+        why = ("give global_batch_size instead of batch_size: the steps stay the same when the world changes "
+               "only when every step trains on the same global batch")
+    elif o.replicas is not None:
+        why = "in-process replicas do not re-form; use one process per device"
+    elif o.shard is not None:
+        why = (f"shard={o.shard!r}: a lost rank's shards are not kept anywhere else yet; use shard=None, or "
+               "restart whole from sharded checkpoints (--max-restarts without elastic=True)")
+    elif o.compression == "powersgd" or (o.compression is not None and not isinstance(o.compression, str)):
+        why = "PowerSGD's error feedback is per rank and cannot be re-split; use compression=None/'bf16'/'fp16'"
+    if why is not None:
+        raise InvalidArgumentError(f"phalanx.train.fit(elastic=True): {why}.")
+
+
+def resync(run: Any) -> None:
+    """Every rank ends with the state of the rank that has applied the most steps (collective)."""
+    joined = _epochs.joined_late()
+    done = allgather(np.array([-1 if joined else run.progress.global_step], np.int64))
+    root = int(np.argmax(done))
+    if done[root] < 0:  # pragma: no cover - the launcher admits replacements only beside survivors
+        raise InvalidArgumentError("phalanx.train.fit(elastic=True): no rank of the new world holds a state.")
+    if run.size == 1:
+        return
+    payload = _pack(run) if run.rank == root else b""
+    size = broadcast(np.array([len(payload)], np.int64), root=root)
+    data = np.frombuffer(payload, np.uint8).copy() if run.rank == root else np.empty(int(size[0]), np.uint8)
+    data = broadcast(data, root=root)
+    if run.rank != root:
+        _unpack(run, data.tobytes())
+
+
+def _pack(run: Any) -> bytes:
+    from ._rng import local_rng
+
+    state = {
+        "model": run.model.state_dict(),
+        "optimizer": run.inner.state_dict(),
+        "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
+        "scaler": run.scaler.state_dict() if run.scaler is not None else None,
+        "position": run.progress.position(),
+        "validated_at": run.progress.validated_at,
+        "skipped": run.policy.skipped,
+        "samples_done": run.samples_done,
+        "window": torch.from_numpy(run.window.copy()),
+        "history": run.history.to_json(),
+        "rng": local_rng(),
+    }
+    out = io.BytesIO()
+    torch.save(state, out)
+    return out.getvalue()
+
+
+def _unpack(run: Any, payload: bytes) -> None:
+    from ._rng import restore_rng
+
+    state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    run.model.load_state_dict(state["model"])
+    run.inner.load_state_dict(state["optimizer"])
+    if run.scheduler is not None and state["scheduler"] is not None:
+        run.scheduler.load_state_dict(state["scheduler"])
+    if run.scaler is not None and state["scaler"] is not None:
+        run.scaler.load_state_dict(state["scaler"])
+    run.progress.restore(state["position"], validated_at=int(state["validated_at"]))
+    run.policy.skipped = int(state["skipped"])
+    run.samples_done = int(state["samples_done"])
+    run.window = state["window"].numpy().copy()
+    run.history.records = History.from_json(state["history"]).records
+    restore_rng(state["rng"], "a live peer's RNG state")
+
+
+def recover(run: Any, exc: BaseException) -> None:
+    """After a lost peer (``exc``) or to admit a replacement: re-form, rebind, resync (module notes)."""
+    started = time.monotonic()
+    run.step_opt.zero_grad(set_to_none=True)
+    why = "admitting a replacement" if isinstance(exc, GrowRequested) else _epochs.describe_loss(exc)
+    epoch = _epochs.reform(why)
+    rebind(run)
+    resync(run)
+    run.recoveries.append({"epoch": epoch.number, "size": epoch.size, "lost": len(epoch.lost),
+                           "joined": len(epoch.joined), "step": run.progress.global_step,
+                           "seconds": time.monotonic() - started, "cause": why})
+
+
+def rebind(run: Any) -> None:
+    """Everything of ``run`` that depends on the world, made again for the current one (collective)."""
+    from .. import _world
+    from ._options import worker_batch
+    from ._progress import Geometry
+
+    o = run.o
+    run.rank, run.size = _world.rank(), _world.size()
+    skipped = run.policy.skipped
+    run.policy = FailurePolicy(on_nonfinite=o.on_nonfinite, on_oom=o.on_oom, max_skipped=o.max_skipped,
+                               rank=run.rank, size=run.size)
+    run.policy.skipped = skipped
+    run.loggers = list(o.loggers) if run.rank == 0 else []
+    run.geometry = Geometry.of(len(run.train_data), batch_size=worker_batch(o, run.size, run.k), ranks=run.size,
+                               replicas=run.k, accumulate=o.accumulate)
+    run.step_opt.rebind()
+    run.engine = run.step_opt.engine
+    run.engine.check_finite = True
+
+
+def train(run: Any, total: int) -> None:
+    """``run``'s step loop, re-formed in place after each lost peer or admitted replacement until it ends."""
+    while True:
+        try:
+            run._train(total)
+            return
+        except Exception as exc:  # noqa: BLE001 - only what reform() recovers from is kept
+            pending: BaseException | None = exc
+            while pending is not None:
+                if not isinstance(pending, GrowRequested) and not _epochs.recoverable(pending):
+                    raise pending
+                try:
+                    recover(run, pending)
+                    pending = None
+                except Exception as again:  # noqa: BLE001 - a peer lost while re-forming: again
+                    pending = again
