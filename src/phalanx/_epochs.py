@@ -4,6 +4,7 @@
 
     phalanx run -n 4 --backend gloo --max-restarts 3 train.py   # or --min-ranks M (shrink only)
 
+    phalanx.init(elastic=True)                 # this script recovers in place: keep the survivors
     while step < steps:
         try:
             train_step()
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -140,6 +142,10 @@ class Membership:
             return self.epoch
         self._set(f"elastic/join/{self.member}", json.dumps({"pid": os.getpid()}))
         number = self._await(f"elastic/admit/{self.member}", None, "to be admitted into the running job")
+        if int(number) < 0:  # the survivors finished before a step boundary could admit this replacement
+            print(f"phalanx: the replacement in slot {os.environ.get('RANK', '?')} was not needed: the job "
+                  "finished before it could join.", file=sys.stderr, flush=True)
+            raise SystemExit(0)
         self.epoch = self._read(int(number), None)
         self.declared = True  # a replacement only exists in a job that re-forms
         return self.epoch
@@ -149,13 +155,19 @@ class Membership:
         assert self.epoch is not None  # internal invariant: reform() runs in a formed world
         old = self.epoch
         here = f"elastic/e{old.number}/"
-        if self._get(here + "broken") is None:
-            self._set(here + "broken", reason)
+        self.announce(reason)
         self._set(here + f"alive/{self.member}", json.dumps({"pid": os.getpid(), "rank": old.rank}))
         self._await(f"elastic/e{old.number + 1}/members", here + "verdict", "for the launcher to re-form the world")
         self.epoch = self._read(old.number + 1, old)
         self.admitted_late = False
         return self.epoch
+
+    def announce(self, reason: str) -> None:
+        """Mark the current epoch broken (``reason``), unless the launcher or a peer did already."""
+        assert self.epoch is not None  # internal invariant
+        key = f"elastic/e{self.epoch.number}/broken"
+        if self._get(key) is None:
+            self._set(key, reason)
 
     def _await(self, key: str, verdict: str | None, what: str) -> str:
         limit = 2 * self.timeout + 30  # the launcher waits up to the timeout for ranks still checking in
@@ -248,7 +260,8 @@ def epoch() -> int:
 
 
 def declare() -> None:
-    """Declare that this rank recovers from a lost peer in place (``fit(elastic=True)`` calls it): from
+    """Declare that this rank recovers from a lost peer in place (``init(elastic=True)`` and
+    ``fit(elastic=True)`` call it): from
     now on the launcher keeps the survivors running when a rank is lost, instead of ending the job.
     Every rank must declare; a job where some rank has not behaves as without it. UsageError where
     worlds cannot re-form."""
@@ -294,6 +307,8 @@ def reform(reason: str | None = None) -> Epoch:
     bring the state to the joined ranks yourself (``phalanx.synchronize`` or
     ``phalanx.broadcast_object`` from a survivor), or let ``fit(elastic=True)`` do it.
 
+    ``reason`` (default: the old world's failure) is what the launcher reports as the cause.
+
     Raises QuorumLostError where this rank does not continue (no majority, fewer
     than ``--min-ranks``, or declared lost), and UsageError where worlds cannot re-form.
     """
@@ -304,6 +319,7 @@ def reform(reason: str | None = None) -> Epoch:
     why = reason or old.broken or f"rank {old.rank} asked to re-form the world"
     old.mark_broken(f"the world was re-formed after epoch {getattr(old, 'epoch', 0)}: "
                     "this handle or group belongs to the old one")
+    ms.announce(why)  # first: the old group's peers stop waiting, and its teardown need not wait for them
     old.release()
     new_epoch = ms.reform(why)
     _world.reformed(old, new_epoch)

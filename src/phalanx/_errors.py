@@ -48,7 +48,8 @@ class PhalanxError(Exception):
       its ``NotInGroupError``), ``NotInitializedError``, ``InvalidSettingError``;
     * ranks that disagree or fail: ``CollectiveMismatchError`` (raised on every rank before
       anything is sent; the world stays usable), ``CollectiveTimeoutError``, ``RankFailedError``,
-      ``WorldBrokenError`` (after those the world cannot be used any more);
+      ``WorldBrokenError`` (after those the world cannot be used any more, unless it re-forms in
+      place: ``phalanx.reform()``), ``QuorumLostError`` (a rank that cannot join the re-formed world);
     * starting a job: ``LaunchError``, ``LaunchEnvironmentError``, ``RendezvousError``,
       ``BackendUnavailableError``, ``MissingDependencyError``, ``SimulatedHostsUnavailableError``;
     * training: ``TrainingError``, ``NonFiniteGradientError``, ``CheckpointError``,

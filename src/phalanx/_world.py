@@ -273,7 +273,7 @@ swap: Callable[[World | None], World | None] = _current.swap  # install a world,
 
 def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, timeout: float | None = None,
          gpu_aware_mpi: bool | None = None, check: bool | None = None,
-         debug: bool | None = None) -> Backend:
+         debug: bool | None = None, elastic: bool = False) -> Backend:
     """Start phalanx in this process and return the backend; calling it again returns the same one.
 
     Which transport:
@@ -292,6 +292,10 @@ def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, tim
         check: agree on every collective's shape, dtype, op and root across ranks
             before data moves (default on; ``PHALANX_CHECK=0`` turns it off).
         debug: also compare the line of code each rank calls from (``PHALANX_DEBUG=1``).
+        elastic: this rank recovers from a lost peer in place, with :func:`phalanx.reform`
+            (``fit(elastic=True)`` says so itself). Under ``phalanx run --backend gloo
+            --max-restarts K`` (or ``--min-ranks M``) the launcher then keeps the survivors
+            running once every rank said so; elsewhere it changes nothing.
 
     Returns the backend (``.name``, ``.rank``, ``.size``). Raises InvalidArgumentError
     for an unknown backend or a bad timeout, UsageError when already initialized with
@@ -300,6 +304,8 @@ def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, tim
     """
     world = current_or_none()
     if world is not None:
+        if elastic and world.epoch is not None:
+            _epochs.declare()
         if backend not in ("auto", world.backend.name):
             raise UsageError(
                 f"phalanx.init(backend={backend!r}): already initialized with backend "
@@ -330,6 +336,8 @@ def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, tim
     world.epoch = None if epoch is None else epoch.number
     swap(world)
     install_abort_hook(world)
+    if elastic and epoch is not None:
+        _epochs.declare()
     # After the abort hook's: exit handlers run last-registered first, so a normal exit shuts down
     # (a rank that just ends its script has left) before a broken world's MPI job is aborted.
     for hook in AT_EXIT:

@@ -397,13 +397,14 @@ class TorchBackend(TorchBuffers, TorchShardOps):
         held: list[Any] = [self._dist, self._group, self._all_gather, self._reduce_scatter]
         self._bind(self._torch.distributed, None)
         torch_dist = self._torch.distributed
+        lost = self._interrupted is not None and self._interrupted() is not None  # an epoch that ended
         if (self._owns_group or held[1] is not None) and torch_dist.is_initialized():
             # the world's own group: None destroys torch's default group and every group with it (the
             # hierarchy's); once "phalanx" is torch's default instead, only phalanx's own group ends
             if self._owns_group and torch_dist.group.WORLD is held[1]:
-                end_group(torch_dist, None, held)
+                end_group(torch_dist, None, held, lost_peer=lost)
             else:
-                end_group(torch_dist, held[1], held)
+                end_group(torch_dist, held[1], held, lost_peer=lost)
         else:
             held.clear()
         if self._rendezvous is not None:  # its guard: nothing of it listens after this

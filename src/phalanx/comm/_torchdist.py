@@ -185,19 +185,27 @@ def group_dist(dist: Any, ranks: tuple[int, ...], rank: int, timeout: float,
     return GroupDist(dist, group, ranks) if rank in ranks else None
 
 
-def end_group(dist: Any, group: Any = None, release: list[Any] | None = None) -> None:
+def end_group(dist: Any, group: Any = None, release: list[Any] | None = None, *, lost_peer: bool = False) -> None:
     """Destroy process ``group`` (None: the default one), given up after a few seconds (module notes).
 
     ``release``: the caller's last references to the group (and what holds it), emptied in the
     teardown thread: a gloo group's destructor joins its threads, which after a lost peer can wait
-    out gloo's own timeout, so it must not run in the caller's thread.
+    out gloo's own timeout, so it must not run in the caller's thread. ``lost_peer``: a peer is
+    known gone (a world re-forming in place): wait only for the group to be unregistered, not for
+    its destructor, which would wait out gloo's timeout (the process goes on, the thread ends later).
     """
+    destroyed = threading.Event()
+
     def destroy() -> None:
         with contextlib.suppress(Exception):  # destroying after a failure may itself fail
             dist.destroy_process_group(group)
+        destroyed.set()
         if release:
             release.clear()  # the group's destructor, if these were its last references, runs here
 
     thread = threading.Thread(target=destroy, name="phalanx-teardown", daemon=True)
     thread.start()
-    thread.join(_TEARDOWN_S)
+    if lost_peer:
+        destroyed.wait(_TEARDOWN_S)
+    else:
+        thread.join(_TEARDOWN_S)

@@ -90,6 +90,7 @@ class Coordinator:
         self.grow_raised = False
         self.killed: dict[int, int] = {}  # slot -> member id of a stalled rank this launcher killed
         self.ended = False  # a verdict ended the job: failures end it as always from now on
+        self.finishing = False  # a member ended its script: replacements no longer join
         self.store.set("elastic/e0/members", json.dumps(self.current))
 
     # -- what the ranks get ----------------------------------------------------------
@@ -125,6 +126,8 @@ class Coordinator:
                 self._replace(slot, respawn)
                 continue
             member = by_slot.get(slot)
+            if member is not None and death.code == 0 and member.id in self.current:
+                self._finishing()  # a rank ended its script: no replacement can join any more
             if member is None or death.code == 0 or not (elastic or not member.admitted):
                 continue
             absorbed.append(slot)
@@ -153,6 +156,14 @@ class Coordinator:
         self.started(slot, pid, new)
         notice(f"started a replacement for slot {slot} (pid {pid}; {self.restarts_left} more allowed by "
                "--max-restarts); it joins at the survivors' next step boundary.")
+
+    def _finishing(self) -> None:
+        """The job is ending: replacements still waiting to join are told to leave (exit status 0)."""
+        if not self.finishing:
+            self.finishing = True
+            for m in self.members.values():
+                if not m.admitted:
+                    self.store.set(f"elastic/admit/{m.id}", "-1")
 
     def _all_declared(self) -> bool:
         for m in self.current:
@@ -190,7 +201,10 @@ class Coordinator:
 
     def _offer_joiners(self) -> None:
         waiting = self._waiting()
-        if waiting and not self.grow_raised:
+        if waiting and self.finishing:
+            for m in waiting:
+                self.store.set(f"elastic/admit/{m}", "-1")
+        elif waiting and not self.grow_raised:
             self.store.set(f"elastic/e{self.epoch}/grow", "1")
             self.grow_raised = True
 

@@ -134,7 +134,7 @@ def recover(run: Any, exc: BaseException) -> None:
     epoch = _epochs.reform(why)
     rebind(run)
     resync(run)
-    run.recoveries.append({"epoch": epoch.number, "size": epoch.size, "lost": len(epoch.lost),
+    run.history.recoveries.append({"epoch": epoch.number, "size": epoch.size, "lost": len(epoch.lost),
                            "joined": len(epoch.joined), "step": run.progress.global_step,
                            "seconds": time.monotonic() - started, "cause": why})
 

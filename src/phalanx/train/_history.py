@@ -35,7 +35,9 @@ class History:
 
     Attributes: ``records`` (``[{"step": 50, "epoch": 0.5, "train/loss": ...}, ...]``),
     ``summary`` (steps, samples, time, samples/s, skipped steps, last and best metrics, ...)
-    and ``stopped`` (the signal that stopped the run, or ``None``). ``to_json()`` and
+    ``stopped`` (the signal that stopped the run, or ``None``) and ``recoveries`` (with
+    ``elastic=True``: each re-formation this process took part in, ``{"epoch", "size", "lost",
+    "joined", "step", "seconds", "cause"}``, the step being the one done again). ``to_json()`` and
     ``History.from_json(text)`` round-trip it.
     """
 
@@ -43,6 +45,7 @@ class History:
         self.records: list[dict[str, Any]] = list(records or [])
         self.summary: dict[str, Any] = {}
         self.stopped: str | None = None  # e.g. "SIGTERM" when a signal ended the run early
+        self.recoveries: list[dict[str, Any]] = []  # fit(elastic=True): each re-formation on this process
 
     def append(self, record: dict[str, Any]) -> None:
         self.records.append(record)

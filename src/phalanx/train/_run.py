@@ -53,7 +53,6 @@ class Run:
         self.o, self.model, self.loss_fn = o, model, loss_fn
         _elastic_fit.check(o)
         self.elastic = o.elastic and _epochs.available()  # the world re-forms in place (_elastic_fit)
-        self.recoveries: list[dict[str, Any]] = []  # each re-formation: epoch, size, step, seconds, cause
         self.grow_now = False
         self.train_data = sized("fit", "train_data", train_data)
         self.val_data = None if o.val_data is None else sized("fit", "val_data", o.val_data)

@@ -1,0 +1,59 @@
+"""A training script for tests/test_recovery.py: ``fit(elastic=True)`` on an MLP with Adam in float64.
+
+Run alone (``python program_recovery.py``: a world of one, the uninterrupted reference) or under
+``phalanx run``. ``KILLS`` (JSON ``[[step, rank, signal], ...]``) makes the process that is rank
+``rank`` when it computes the loss of step ``step`` (with ``FULL``: of the first step from ``step`` on
+at which the world has ``FULL`` ranks again) send itself ``signal`` (9: SIGKILL, 19: SIGSTOP), once per entry (a mark file in ``MARKS`` says it happened, and when). Every process appends
+``step time rank size epoch`` per loss to ``MARKS/steps-<pid>`` and writes ``MARKS/final-<pid>.pt``
+(its final parameters) and ``MARKS/done-<pid>.json`` when ``fit`` returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import torch
+
+import phalanx
+from phalanx.train import fit
+
+phalanx.init()
+torch.set_default_dtype(torch.float64)
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(1)
+X, Y = torch.randn(480, 16, generator=g), torch.randn(480, 4, generator=g)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+KILLS = json.loads(os.environ.get("KILLS", "[]"))
+FULL = int(os.environ.get("FULL", "0"))
+MARKS = os.environ["MARKS"]
+first = next(iter(model.parameters()))
+steps_log = open(os.path.join(MARKS, f"steps-{os.getpid()}"), "a")
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    done = opt.state.get(first, {}).get("step")
+    step = int(done) if done is not None else 0
+    steps_log.write(f"{step} {time.time()} {phalanx.rank()} {phalanx.size()} {phalanx.epoch()}\n")
+    steps_log.flush()
+    for at, rank, sig in KILLS:
+        mark = os.path.join(MARKS, f"kill-{at}-{rank}")
+        # at step `at`, or the first step after it at which the world is whole again (FULL ranks)
+        due = step == at if not FULL else step >= at and phalanx.size() == FULL
+        if due and phalanx.rank() == rank and not os.path.exists(mark):
+            with open(mark, "w") as f:
+                json.dump({"time": time.time(), "pid": os.getpid()}, f)
+            os.kill(os.getpid(), sig)
+    return torch.nn.functional.mse_loss(out, y)
+
+
+history = fit(model, loss_fn, opt, (X, Y), global_batch_size=24, steps=int(os.environ.get("STEPS", "300")),
+              elastic=True, progress=False, log_every=50)
+torch.save(torch.cat([p.detach().flatten() for p in model.parameters()]), os.path.join(MARKS, f"final-{os.getpid()}.pt"))
+with open(os.path.join(MARKS, f"done-{os.getpid()}.json"), "w") as f:
+    json.dump({"rank": phalanx.rank(), "size": phalanx.size(), "epoch": phalanx.epoch(),
+               "joined": os.environ.get("PHALANX_JOINING") == "1", "slot": int(os.environ.get("RANK", "0")),
+               "restart_count": os.environ.get("PHALANX_RESTART_COUNT"), "recoveries": history.recoveries}, f)

@@ -1,0 +1,52 @@
+"""A user's own loop that re-forms in place (tests/test_recovery.py): what ``phalanx.reform()`` does.
+
+3 ranks under ``phalanx run --backend gloo --min-ranks 1``; the rank 2 of epoch 0 is SIGKILLed at
+iteration 5. The survivors catch the RankFailedError, find their pre-failure handle refused, re-form
+(epoch 1 of 2 ranks) and continue; each writes what it saw to ``MARKS/reform-<pid>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+
+import phalanx
+
+phalanx.init(elastic=True)  # this loop re-forms itself: the launcher keeps the survivors
+MARKS = os.environ["MARKS"]
+seen: dict[str, object] = {"start": [phalanx.epoch(), phalanx.rank(), phalanx.size()], "callbacks": []}
+phalanx.on_reform(lambda epoch: seen["callbacks"].append([epoch.number, epoch.rank, epoch.size]))  # type: ignore[union-attr]
+group = phalanx.new_group([0, 1])  # made in epoch 0: refused once the world re-forms
+stale = None
+i = 0
+while i < 20:
+    try:
+        if i == 5 and phalanx.epoch() == 0:
+            stale = phalanx.iallreduce(np.ones(3))  # posted in epoch 0: refused once it re-forms
+            if phalanx.rank() == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+        total = phalanx.allreduce(np.array([1.0]))
+        assert total[0] == phalanx.size(), (total, phalanx.size())
+        i += 1
+    except phalanx.RankFailedError as exc:
+        seen["error"] = type(exc).__name__
+        seen["error_mentions_reform"] = "phalanx.reform()" in str(exc)
+        epoch = phalanx.reform()
+        seen["epoch"] = {"number": epoch.number, "rank": epoch.rank, "size": epoch.size, "lost": list(epoch.lost),
+                         "joined": list(epoch.joined), "previous_rank": epoch.previous_rank}
+        try:
+            stale.wait()  # type: ignore[union-attr]
+            seen["stale"] = "completed"
+        except phalanx.PhalanxError as refused:
+            seen["stale"] = f"{type(refused).__name__}: {str(refused).splitlines()[0]}"
+        try:
+            phalanx.allreduce(np.ones(1), group=group) if group is not None else None
+            seen["old_group"] = "used"
+        except phalanx.PhalanxError as refused:
+            seen["old_group"] = f"{type(refused).__name__}: {str(refused).splitlines()[0]}"
+seen["end"] = [phalanx.epoch(), phalanx.rank(), phalanx.size(), i]
+with open(os.path.join(MARKS, f"reform-{os.getpid()}.json"), "w") as f:
+    json.dump(seen, f)
