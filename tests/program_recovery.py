@@ -3,7 +3,7 @@
 Run alone (``python program_recovery.py``: a world of one, the uninterrupted reference) or under
 ``phalanx run``. ``KILLS`` (JSON ``[[step, rank, signal], ...]``) makes the process that is rank
 ``rank`` when it computes the loss of step ``step`` (with ``FULL``: of the first step from ``step`` on
-at which the world has ``FULL`` ranks again) send itself ``signal`` (9: SIGKILL, 19: SIGSTOP), once per entry (a mark file in ``MARKS`` says it happened, and when). Every process appends
+at which the world has ``FULL`` ranks again; steps on fewer ranks then take 0.1 s more) send itself ``signal`` (9: SIGKILL, 19: SIGSTOP), once per entry (a mark file in ``MARKS`` says it happened, and when). Every process appends
 ``step time rank size epoch`` per loss to ``MARKS/steps-<pid>`` and writes ``MARKS/final-<pid>.pt``
 (its final parameters) and ``MARKS/done-<pid>.json`` when ``fit`` returns.
 """
@@ -39,6 +39,8 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     step = int(done) if done is not None else 0
     steps_log.write(f"{step} {time.time()} {phalanx.rank()} {phalanx.size()} {phalanx.epoch()}\n")
     steps_log.flush()
+    if FULL and phalanx.size() < FULL:
+        time.sleep(0.1)  # short-handed steps are slow (a model's real step time): a replacement joins in time
     for at, rank, sig in KILLS:
         mark = os.path.join(MARKS, f"kill-{at}-{rank}")
         # at step `at`, or the first step after it at which the world is whole again (FULL ranks)
