@@ -1,24 +1,28 @@
 """A Horovod elastic training script (phalanx.horovod.torch) for tests/test_horovod_elastic.py.
 
 Usage: ``phalanx run -n 2 [--max-restarts 1] horovod_elastic_script.py OUT_DIR FAIL`` with FAIL
-``1`` (attempt 0 raises in epoch 1, after the commit at batch 2) or ``0``; rank 0 writes the final
-parameters to ``OUT_DIR/result.pt`` and every rank appends the samples it trained on to
-``OUT_DIR/samples-rank<r>``.
+``1`` (attempt 0 raises in epoch 1, after the commit at batch 2), ``kill`` (the last rank of a world
+of ``$SIZE`` ranks, default 3, SIGKILLs itself there: ``horovodrun --gloo -np 3 --min-np 2`` resets
+in place) or ``0``; rank 0 writes the final parameters to ``OUT_DIR/result.pt``, every rank appends
+the samples it trained on to ``OUT_DIR/samples-rank<r>`` and, when done, writes ``OUT_DIR/done-<pid>``
+(its rank, size and epoch).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import torch
 
+import phalanx
 import phalanx.horovod.torch as hvd
 
 EPOCHS, BATCH, SAMPLES = 2, 4, 40
 
 
-def main(out: str, fail: bool) -> None:
+def main(out: str, fail: str) -> None:
     hvd.init()
     attempt = int(os.environ.get("PHALANX_RESTART_COUNT", "0"))
     g = torch.Generator().manual_seed(0)
@@ -45,8 +49,13 @@ def main(out: str, fail: bool) -> None:
                 state.batch += 1
                 if state.batch % 2 == 0:
                     state.commit()
-                if fail and attempt == 0 and state.epoch == 1 and state.batch == 3:
+                if fail == "1" and attempt == 0 and state.epoch == 1 and state.batch == 3:
                     raise RuntimeError(f"injected failure on rank {hvd.rank()} in epoch 1, batch 3")
+                if (fail == "kill" and hvd.rank() == hvd.size() - 1 and hvd.size() == SIZE and state.epoch == 1
+                        and state.batch == 3 and not os.environ.get("PHALANX_JOINING")):
+                    with open(os.path.join(out, "killed"), "w") as f:
+                        f.write(str(os.getpid()))
+                    os.kill(os.getpid(), signal.SIGKILL)  # in place: the others restore the commit and go on
             state.epoch += 1
             state.batch = 0
             state.sampler.set_epoch(state.epoch)
@@ -56,7 +65,10 @@ def main(out: str, fail: bool) -> None:
     if hvd.rank() == 0:
         torch.save({"params": [p.detach() for p in model.parameters()], "attempt": attempt},
                    os.path.join(out, "result.pt"))
+    with open(os.path.join(out, f"done-{os.getpid()}"), "w") as f:
+        f.write(f"{hvd.rank()} {hvd.size()} {phalanx.epoch()}\n")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] == "1")
+    SIZE = int(os.environ.get("SIZE", "3"))
+    main(sys.argv[1], sys.argv[2])

@@ -3,7 +3,10 @@
 * with ``--max-restarts 1``, a job that raises in epoch 1 is restarted, resumes from the last
   ``state.commit()`` (model, optimizer momentum, ElasticSampler position, epoch/batch counters),
   redoes only the batch after that commit, and ends with the parameters of an uninterrupted run;
-* without ``--max-restarts`` the elastic script runs as an ordinary job and says so once.
+* without ``--max-restarts`` the elastic script runs as an ordinary job and says so once;
+* in place (horovodrun's ``--gloo -np 3 --min-np 2``): a SIGKILLed rank's two peers restore the last
+  commit, reset (``hvd.elastic.run``'s loop, without restarting their processes) and finish the epochs
+  on 2 ranks, every sample of each epoch trained.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ BACKEND = "mpi" if "mpi" in AVAILABLE else "gloo"
 NOTICE = "this job runs without restarts, as an ordinary job"
 
 
-def _run(out: str, *flags: str, fail: bool) -> tuple[int, str, float]:
+def _run(out: str, *flags: str, fail: bool | str, n: str = "2", backend: str = BACKEND) -> tuple[int, str, float]:
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", "2", "--backend", BACKEND, *flags,
-                           SCRIPT, out, "1" if fail else "0"], capture_output=True, text=True, timeout=150,
+    mode = fail if isinstance(fail, str) else "1" if fail else "0"
+    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "-np", n, f"--{backend}", *flags,
+                           SCRIPT, out, mode], capture_output=True, text=True, timeout=150,
                           env=dict(os.environ, OMP_NUM_THREADS="1", PHALANX_ELASTIC_DIR=os.path.join(out, "commits")))
     return done.returncode, done.stdout + done.stderr, time.monotonic() - start
 
@@ -61,3 +65,22 @@ def test_a_failed_elastic_job_resumes_from_its_last_commit_and_ends_as_an_uninte
         # attempt 0 got to epoch 1's batch 3 (committed after batch 2); attempt 1 redid batch 3 onwards
         assert [line[1:] for line in second if line[0] == "0"] == [line[1:] for line in first[:8]], second
         assert [line[1:] for line in second if line[0] == "1"] == [line[1:] for line in first[7:]], second
+
+
+@pytest.mark.skipif("gloo" not in AVAILABLE, reason="needs the gloo backend")
+def test_horovodrun_min_np_resets_in_place_after_a_killed_rank(tmp_path) -> None:
+    out = str(tmp_path)
+    code, text, seconds = _run(out, "--min-np", "2", "--timeout", "10", fail="kill", n="3", backend="gloo")
+    print(f"\ngloo: 3 ranks, one killed, reset in place: {seconds:.1f} s")
+    assert code == 0, text
+    assert "reset in place: epoch 1, 2 rank(s)" in text, text
+    assert "restart 1 of" not in text, text
+    killed = int(open(os.path.join(out, "killed")).read())
+    done = {int(name.split("-")[1]): open(os.path.join(out, name)).read().split()
+            for name in os.listdir(out) if name.startswith("done-")}
+    assert killed not in done and sorted(v for v in done.values()) == [["0", "2", "1"], ["1", "2", "1"]], done
+    lines = [line for r in range(3) if os.path.exists(os.path.join(out, f"samples-rank{r}"))
+             for line in _lines(out, r)]
+    for epoch in ("0", "1"):  # every sample trained in each epoch, on 3 ranks and then (epoch 1) on 2
+        seen = {int(i) for line in lines if line[1] == epoch for i in line[2:]}
+        assert seen == set(range(40)), (epoch, sorted(set(range(40)) - seen))

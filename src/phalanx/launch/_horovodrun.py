@@ -29,7 +29,7 @@ __all__ = ["UNSUPPORTED", "VALUED", "add_horovodrun_options", "apply_horovodrun"
 # horovodrun's flags that take a value (for splitting the command line before the script).
 VALUED = {"-np", "--num-proc", "-H", "-hostfile", "-p", "--ssh-port", "-i", "--ssh-identity-file",
           "--network-interface", "--network-interfaces", "--output-filename", "--timeline-filename",
-          "--gloo-timeout-seconds"}
+          "--gloo-timeout-seconds", "--min-np", "--min-num-proc", "--max-np", "--max-num-proc"}
 
 _TUNING = ("phalanx has no fusion buffer, background cycle or response cache to tune: the gradient engine of "
            "phalanx.torch reduces in buckets while backward runs (bucket_cap_mb=, default 25 MB)")
@@ -39,9 +39,8 @@ _STALL = ("phalanx does not warn about stalls, it ends them: a collective that w
           "raises CollectiveTimeoutError on every rank, naming the ranks that never came")
 _LOGGING = ("phalanx has no background log: its errors name the rank and the call (PHALANX_DEBUG=1 adds each "
             "rank's line of code), and --log-dir DIR prefixes each line of output with its rank")
-_ELASTIC = ("elastic horovodrun resizes a running job; phalanx restarts a failed job on the hosts that still "
-            "answer instead: --max-restarts K [--min-ranks M], the script resuming from its checkpoint "
-            "(docs/cluster.md)")
+_ELASTIC = ("phalanx's elastic jobs keep -np ranks, replacing lost ones on the hosts given (--max-restarts K) "
+            "or going on with fewer (--min-np M); hosts are not discovered while the job runs (docs/horovod.md)")
 _AUTOTUNE = "phalanx has no autotuner (no fusion threshold or cycle time to tune)"
 
 UNSUPPORTED: dict[str, str] = {
@@ -70,8 +69,7 @@ UNSUPPORTED: dict[str, str] = {
     "--log-level": _LOGGING, "--log-with-timestamp": _LOGGING, "--log-without-timestamp": _LOGGING,
     "--log-hide-timestamp": _LOGGING, "--no-log-hide-timestamp": _LOGGING,
     "-prefix-timestamp": _LOGGING, "--prefix-output-with-timestamp": _LOGGING,
-    "--host-discovery-script": _ELASTIC, "--min-np": _ELASTIC, "--min-num-proc": _ELASTIC,
-    "--max-np": _ELASTIC, "--max-num-proc": _ELASTIC, "--slots-per-host": _ELASTIC,
+    "--host-discovery-script": _ELASTIC, "--slots-per-host": _ELASTIC,
     "--elastic-timeout": _ELASTIC, "--reset-limit": _ELASTIC, "--blacklist-cooldown-range": _ELASTIC,
     "--jsrun": "phalanx starts MPI jobs with mpiexec (pass options with --mpi-args); LSF's jsrun is not "
                "supported",
@@ -108,6 +106,12 @@ def add_horovodrun_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-timeline-mark-cycles", dest="timeline_mark_cycles", action="store_false",
                        help=argparse.SUPPRESS)
     group.add_argument("--gloo-timeout-seconds", type=float, metavar="S", help="= --timeout S")
+    group.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, metavar="M",
+                       help="= --min-ranks M: the fewest ranks an elastic job goes on with (hvd.elastic.run resets "
+                            "in place on gloo)")
+    group.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, metavar="N",
+                       help="the most ranks an elastic job grows to: phalanx keeps -np ranks (lost ones are "
+                            "replaced while --max-restarts allow), so N must be at least -np")
     group.add_argument("--verbose", action="store_true", help="say how the job is started (ranks, backend, "
                        "hosts, remote shell, logs) before starting it")
     group.add_argument("--disable-cache", action="store_true", help="accepted and ignored: phalanx caches no "
@@ -168,6 +172,13 @@ def apply_horovodrun(args: argparse.Namespace) -> None:
     if args.start_timeout is None and os.environ.get("HOROVOD_START_TIMEOUT", "").strip() \
             and not os.environ.get("PHALANX_START_TIMEOUT", "").strip():
         args.start_timeout = seconds_from_env("HOROVOD_START_TIMEOUT", DEFAULT_START_TIMEOUT)
+    if args.min_np is not None:
+        if args.min_ranks is not None and args.min_ranks != args.min_np:
+            raise LaunchError(f"phalanx run: --min-np {args.min_np} and --min-ranks {args.min_ranks} disagree; give one.")
+        args.min_ranks = args.min_np
+    if args.max_np is not None and args.n is not None and args.max_np < args.n:
+        raise LaunchError(f"phalanx run -np {args.n} --max-np {args.max_np}: the job starts with -np ranks, more "
+                          f"than --max-np allows; give --max-np {args.n} or more (or a smaller -np).")
     if args.timeline_mark_cycles and not args.timeline_filename:
         raise LaunchError("phalanx run --timeline-mark-cycles: it marks cycles in the timeline; give the file "
                           "too, e.g. --timeline-filename timeline.json.")

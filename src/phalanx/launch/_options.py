@@ -109,7 +109,8 @@ def add_run_options(parser: argparse.ArgumentParser, *, n_default: int | None = 
                              "times, on the hosts that still answer; each rank gets PHALANX_RESTART_COUNT, and the "
                              "script resumes from its checkpoint (fit(..., resume='latest')). Default 0")
     parser.add_argument("--min-ranks", type=int, metavar="M",
-                        help="with --max-restarts: never restart on fewer than M ranks (default 1)")
+                        help="the fewest ranks the job goes on with: a restart on fewer is refused, and with gloo "
+                             "a job that re-forms in place (fit(elastic=True)) continues on as few as M (default 1)")
     add_horovodrun_options(parser)
 
 

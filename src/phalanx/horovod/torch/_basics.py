@@ -76,6 +76,22 @@ def _topology(n: int) -> None:
     _cross.update(rank=peers.index(me), size=len(peers), homogeneous=bool(len(set(table[:, 1].tolist())) == 1))
 
 
+def _reformed(epoch: Any) -> None:
+    """After ``phalanx.reform()`` (hvd.elastic.run's reset in place): what ``hvd.init`` sets up, again
+    for the new world, in ``hvd.init``'s order (a replacement's own ``hvd.init`` makes the same calls)."""
+    _world("init").retry_mismatch = majority_retries
+    forget_all()
+    _cross.clear()
+    _topology(phalanx.size())
+    register_global(phalanx.size())
+    for hook in _on_reform:
+        hook()
+
+
+_on_reform: list[Any] = []  # the other hvd modules' rebinding (the optimizers' engines), after _reformed's
+phalanx.on_reform(_reformed)
+
+
 def shutdown() -> None:
     """Stop Horovod (phalanx) on this rank: pending handles and process sets are dropped."""
     for hook in _on_shutdown:

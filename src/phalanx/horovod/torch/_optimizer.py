@@ -30,7 +30,7 @@ from ..._errors import InvalidArgumentError, UnsupportedArgumentError
 from ...torch._bucket import GradientBuckets
 from .._errors import GradientSyncOrderError
 from . import _sparse_grads
-from ._basics import _on_shutdown
+from ._basics import _on_reform, _on_shutdown
 from ._compression import Compression, wire_compression
 from ._functions import group_of
 from ._ops import Adasum, Average, Sum
@@ -53,6 +53,20 @@ def _close_engines() -> None:
 
 
 _on_shutdown.append(_close_engines)
+
+
+def _rebind_engines() -> None:
+    """After a reset in place (``phalanx.reform``): every optimizer's engine made for the new world now,
+    where a replacement's optimizer makes its own (its structure agreement), before the state's sync."""
+    for opt in list(_live):
+        engine = opt.__dict__.get("_hvd_engine")
+        if engine is not None:
+            engine.close()
+        opt._hvd_engine, opt._hvd_stale = None, True
+        opt._hvd_current()
+
+
+_on_reform.append(_rebind_engines)
 _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
               "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
 _TOO_MANY = ("Gradients were computed more than backward_passes_per_step times before call to step(). "

@@ -11,6 +11,9 @@ from typing import Any, TypeVar
 
 import phalanx
 
+from .... import _epochs
+from ...._errors import PhalanxError
+from ..._errors import HostsUpdatedInterrupt
 from ._state import State, TorchState
 
 __all__ = ["restarted", "run"]
@@ -58,6 +61,8 @@ def run(func: _F) -> _F:
     """
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        if _epochs.available() and phalanx.initialized() and _epochs.membership() is not None:
+            return _in_place(func, state, args, kwargs)
         count = restarted()
         if not _restarts_enabled() and count == 0:
             _say_once("phalanx.horovod.torch.elastic: this job runs without restarts, as an ordinary job: a "
@@ -78,3 +83,47 @@ def run(func: _F) -> _F:
         return func(state, *args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _in_place(func: Callable[..., Any], state: State, args: Any, kwargs: Any) -> Any:
+    """Horovod's own loop, reset in place: a lost peer (HorovodInternalError but a mismatch) makes every
+    survivor restore its last commit and re-form the world; a replacement waiting to join (raised as
+    HostsUpdatedInterrupt by ``state.commit()``) makes them re-form with it. Either way the reset
+    callbacks run, and every rank takes the state of the new rank 0 (a survivor)."""
+    _epochs.declare()
+    skip_sync = False
+    while True:
+        if not skip_sync:
+            state.sync()
+        try:
+            return func(state, *args, **kwargs)
+        except HostsUpdatedInterrupt as exc:
+            skip_sync = exc.skip_sync
+            why = "admitting a replacement"
+        except PhalanxError as exc:
+            if not _epochs.recoverable(exc):
+                raise
+            state.restore()
+            skip_sync = False
+            why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        _reset(why)
+        state.on_reset()
+
+
+def _reset(why: str) -> None:
+    """Re-form the world (again while a peer is lost during it)."""
+    while True:
+        try:
+            epoch = phalanx.reform(why)
+            break
+        except PhalanxError as exc:
+            if not _epochs.recoverable(exc):
+                raise
+            why = f"{type(exc).__name__} while re-forming"
+    _say(f"phalanx.horovod.torch.elastic: reset in place: epoch {epoch.number}, {epoch.size} rank(s) "
+         f"({why}).")
+
+
+def _say(text: str) -> None:
+    if phalanx.rank() == 0:
+        _log.warning(text)

@@ -65,7 +65,19 @@ class State:
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
-        """Nothing to check: a phalanx job changes hosts only when it is restarted."""
+        """Raise HostsUpdatedInterrupt on every rank when a replacement waits to join a job that resets
+        in place (rank 0 asks the launcher, and tells the others: collective); else nothing."""
+        from .... import _epochs
+
+        if not _epochs.available() or phalanx.size() < 1 or _epochs.membership() is None:
+            return
+        waiting = _epochs.grow_requested() if phalanx.rank() == 0 else False
+        if phalanx.size() > 1:
+            waiting = bool(self._bcast_object(waiting))
+        if waiting:
+            from ..._errors import HostsUpdatedInterrupt
+
+            raise HostsUpdatedInterrupt(skip_sync=False)
 
     def save(self) -> None:
         """Save the state (in memory, and for :class:`TorchState` to disk)."""
