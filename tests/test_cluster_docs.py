@@ -55,6 +55,8 @@ EXEMPT = {
     "ssh-keys": "real ssh: makes a key and installs it on real hosts (the hosts here use an ssh stand-in)",
     "slurm-srun-mpi": "needs Slurm's PMI/PMIx to start MPI ranks, which the srun stand-in does not provide",
     "slurm-nccl": "NCCL: needs GPUs",
+    "restarts-in-place": "one host, with kills in the middle of fit(elastic=True): tests/test_recovery.py runs "
+                         "this job (tests/program_recovery.py) and checks what the guide says of it",
 }
 
 _MARKED = re.compile(r"<!-- (block|file): ([\w.\-]+) -->\n```(\w+)\n(.*?)^```", re.S | re.M)

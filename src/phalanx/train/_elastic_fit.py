@@ -16,8 +16,9 @@ is cut off) during a step:
    ``global_batch_size``, the sampler's offset, the policy) is made again;
 4. :func:`resync`: the ranks agree which of them has applied the most steps
    (they differ by at most one: a step completes everywhere or nowhere, except
-   for a loss after its last collective) and the lowest such rank sends its
-   whole state (model, optimizer, scheduler, scaler, position, RNG, metrics) to
+   for a loss after its last collective). When all have applied as many (the
+   usual case: replicas in lockstep hold the same state) nothing moves; else
+   the lowest rank with the most sends its whole state (model, optimizer, scheduler, scaler, position, RNG, metrics) to
    every rank, as bytes loaded with ``torch.load(weights_only=True)``: nothing a
    peer sends is unpickled beyond tensors and plain values.
 
@@ -70,21 +71,28 @@ def check(o: Any) -> None:
         raise InvalidArgumentError(f"phalanx.train.fit(elastic=True): {why}.")
 
 
-def resync(run: Any) -> None:
-    """Every rank ends with the state of the rank that has applied the most steps (collective)."""
+def resync(run: Any) -> dict[str, Any]:
+    """Every rank ends with the state of the rank that has applied the most steps (collective); returns
+    ``{"bytes", "seconds", "root"}``: the state's size and how long this rank took to hold it."""
+    started = time.monotonic()
     joined = _epochs.joined_late()
     done = allgather(np.array([-1 if joined else run.progress.global_step], np.int64))
     root = int(np.argmax(done))
     if done[root] < 0:  # pragma: no cover - the launcher admits replacements only beside survivors
         raise InvalidArgumentError("phalanx.train.fit(elastic=True): no rank of the new world holds a state.")
-    if run.size == 1:
-        return
+    if run.size == 1 or (done == done[root]).all():  # replicas in lockstep hold the same state: nothing to send
+        return {"bytes": 0, "seconds": time.monotonic() - started, "root": root}
     payload = _pack(run) if run.rank == root else b""
     size = broadcast(np.array([len(payload)], np.int64), root=root)
-    data = np.frombuffer(payload, np.uint8).copy() if run.rank == root else np.empty(int(size[0]), np.uint8)
-    data = broadcast(data, root=root)
+    data = np.frombuffer(payload, np.uint8) if run.rank == root else np.empty(int(size[0]), np.uint8)
+    data = broadcast(data if run.rank != root else data.copy(), root=root)
     if run.rank != root:
-        _unpack(run, data.tobytes())
+        _unpack(run, memoryview(data))
+    if joined:
+        run.history.recoveries.append({"epoch": _epochs.epoch(), "size": run.size, "lost": 0, "joined": 1,
+                                       "step": run.progress.global_step, "seconds": time.monotonic() - started,
+                                       "cause": "joined a running job", "received_bytes": int(size[0])})
+    return {"bytes": int(size[0]), "seconds": time.monotonic() - started, "root": root}
 
 
 def _pack(run: Any) -> bytes:
@@ -108,7 +116,7 @@ def _pack(run: Any) -> bytes:
     return out.getvalue()
 
 
-def _unpack(run: Any, payload: bytes) -> None:
+def _unpack(run: Any, payload: Any) -> None:
     from ._rng import restore_rng
 
     state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
