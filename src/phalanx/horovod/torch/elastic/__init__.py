@@ -13,12 +13,16 @@
 
     train(state)                    # run under `phalanx run -n 4 --max-restarts 3 train.py`
 
-Horovod resets a failed world inside the running processes. phalanx instead
-ends the failed job and starts it again (``phalanx run --max-restarts K``):
-``commit()`` writes the state to disk, and in a restarted job
+As in Horovod, a job on gloo (``horovodrun --gloo -np N --min-np M``, or
+``--max-restarts K`` for replacements; one host) resets inside the running
+processes: the survivors restore the last commit, re-form the world
+(``phalanx.reform``), run the reset callbacks and sync; a replacement joins at
+the next ``commit()`` (``HostsUpdatedInterrupt``). Elsewhere phalanx ends the
+failed job and starts it again (``phalanx run --max-restarts K``):
+``commit()`` also writes the state to disk, and in a restarted job
 (``PHALANX_RESTART_COUNT`` > 0) :func:`run` loads the last commit before it
-calls the function. Without ``--max-restarts`` the script runs as an ordinary
-job and says so once. The commits go to ``$PHALANX_ELASTIC_DIR`` (default
+calls the function. Without either the script runs as an ordinary job and
+says so once. The commits go to ``$PHALANX_ELASTIC_DIR`` (default
 ``./.phalanx-elastic/<script name>/``). Details: ``docs/horovod.md``.
 """
 
