@@ -24,6 +24,7 @@ from ._collectives import (
     reduce_scatter,
 )
 from ._data import DistributedDataContainer
+from ._epochs import epoch, on_reform, reform
 from ._errors import (
     BackendUnavailableError,
     CheckpointError,
@@ -50,7 +51,6 @@ from ._errors import (
     UsageError,
     WorldBrokenError,
 )
-from ._epochs import epoch, on_reform, reform
 from ._gradients import allreduce_gradients
 from ._groups import Group, destroy_group, new_group, world_group
 from ._nonblocking import Handle, iallreduce, ibroadcast

@@ -44,6 +44,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ._errors import (
     CollectiveTimeoutError,
@@ -52,6 +53,9 @@ from ._errors import (
     UsageError,
     WorldBrokenError,
 )
+
+if TYPE_CHECKING:
+    from .comm._guard import Guard
 
 __all__ = ["ELASTIC_ENV", "JOINING_ENV", "MEMBER_ENV", "Epoch", "Membership", "available", "declare", "epoch",
            "first_epoch", "grow_requested", "joined_late", "membership", "on_reform", "recoverable", "reform"]
@@ -85,7 +89,8 @@ class Membership:
 
         self.where, self.member, self.joining = where, member, joining
         self.timeout = timeout
-        self.store, self._guard = connect(where, timeout)
+        self.store, guard = connect(where, timeout)
+        self._guard: Guard | None = guard
         self.epoch: Epoch | None = None
         self.declared = False
         self._looked = 0.0

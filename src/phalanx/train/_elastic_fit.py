@@ -168,18 +168,17 @@ def rebind(run: Any) -> None:
 
 
 def train(run: Any, total: int) -> None:
-    """``run``'s step loop, re-formed in place after each lost peer or admitted replacement until it ends."""
+    """``run``'s step loop, re-formed in place after each lost peer or admitted replacement until it ends
+    (again when a peer is lost while re-forming); anything else is raised as it is."""
+    pending: BaseException | None = None
     while True:
         try:
-            run._train(total)
-            return
-        except Exception as exc:  # noqa: BLE001 - only what reform() recovers from is kept
-            pending: BaseException | None = exc
-            while pending is not None:
-                if not isinstance(pending, GrowRequested) and not _epochs.recoverable(pending):
-                    raise pending
-                try:
-                    recover(run, pending)
-                    pending = None
-                except Exception as again:  # noqa: BLE001 - a peer lost while re-forming: again
-                    pending = again
+            if pending is None:
+                run._train(total)
+                return
+            recover(run, pending)
+            pending = None
+        except Exception as exc:
+            if not (isinstance(exc, GrowRequested) or _epochs.recoverable(exc)):
+                raise
+            pending = exc
