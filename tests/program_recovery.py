@@ -29,12 +29,11 @@ opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 KILLS = json.loads(os.environ.get("KILLS", "[]"))
 FULL = int(os.environ.get("FULL", "0"))
 MARKS = os.environ["MARKS"]
-first = next(iter(model.parameters()))
 steps_log = open(os.path.join(MARKS, f"steps-{os.getpid()}"), "a")
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    done = opt.state.get(first, {}).get("step")
+    done = next(iter(opt.state.values()), {}).get("step")  # any parameter's (or shard's, when sharded)
     step = int(done) if done is not None else 0
     steps_log.write(f"{step} {time.time()} {phalanx.rank()} {phalanx.size()} {phalanx.epoch()}\n")
     steps_log.flush()
@@ -51,8 +50,10 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out, y)
 
 
+SHARD = os.environ.get("SHARD") or None  # "gradients": reloads its last checkpoint (CKPT) in process
 history = fit(model, loss_fn, opt, (X, Y), global_batch_size=24, steps=int(os.environ.get("STEPS", "300")),
-              elastic=True, progress=False, log_every=50)
+              elastic=True, progress=False, log_every=50, shard=SHARD,  # type: ignore[arg-type]
+              checkpoint_dir=os.environ.get("CKPT") or None, checkpoint_every=int(os.environ.get("CKPT_EVERY", "0")) or None)
 torch.save(torch.cat([p.detach().flatten() for p in model.parameters()]), os.path.join(MARKS, f"final-{os.getpid()}.pt"))
 with open(os.path.join(MARKS, f"done-{os.getpid()}.json"), "w") as f:
     json.dump({"rank": phalanx.rank(), "size": phalanx.size(), "epoch": phalanx.epoch(),

@@ -10,6 +10,8 @@ Each job runs once (a module fixture) and every behaviour is a check of what it 
 * **shrunk** — ``--max-restarts 0 --min-ranks 2``, two kills: it finishes at 3 and then 2 ranks, equal.
 * **stalled** — a rank SIGSTOPped (it never exits by itself): the survivors time out, the launcher kills
   it after the timeout, the job finishes on 2 ranks, equal.
+* **sharded** — ``shard="gradients"``, ``checkpoint_every=10``: a rank killed at step 35 (its optimizer shard
+  is lost with it); the survivors reload the step-30 checkpoint in process, a replacement joins, equal.
 * **floor** — 3 ranks with ``--min-ranks 2`` and two kills: the survivor ends with QuorumLostError naming
   ``--min-ranks``; the job exits non-zero and leaves no process behind.
 * **own loop** — ``phalanx.reform()`` in a loop of the user's (``tests/program_reform.py``): the error
@@ -107,6 +109,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
     out["floor"] = _run(str(root / "floor"), TRAIN, 3, ["--timeout", "10", "--min-ranks", "2"],
                         {"KILLS": json.dumps([[10, 1, SIGKILL], [20, 0, SIGKILL]]), "STEPS": "100"}, 200)
     out["own loop"] = _run(str(root / "loop"), LOOP, 3, ["--timeout", "10", "--min-ranks", "1"], {}, 120)
+    out["sharded"] = _run(str(root / "sharded"), TRAIN, 4, ["--timeout", "10", "--max-restarts", "1", "--min-ranks", "2"],
+                          {"KILLS": json.dumps([[35, 2, SIGKILL]]), "STEPS": "100", "SHARD": "gradients",
+                           "CKPT": str(root / "sharded-ckpt"), "CKPT_EVERY": "10"}, 200)
     return out
 
 
@@ -225,6 +230,17 @@ def test_fewer_survivors_than_min_ranks_end_with_quorum_lost_and_nothing_left_be
     alive = [pid for pid in job.pids_started() if os.path.exists(f"/proc/{pid}")
              and open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
     assert not alive, alive
+
+
+def test_sharded_gradients_reload_the_last_checkpoint_in_place_equal_to_the_uninterrupted_run(
+        jobs: dict[str, Job]) -> None:
+    job = jobs["sharded"]
+    assert job.code == 0 and "restart 1 of" not in job.output, job.output[-3000:]
+    initial = _initial(job) - _killed(job)
+    assert len(initial) == 3 and initial <= _finished(job), (initial, job.done())
+    survivor = [d for d in job.done() if d["pid"] in initial][0]
+    assert [r["step"] for r in survivor["recoveries"]][:1] == [30], survivor  # killed at 35: back to step 30
+    _equal_to_reference(job, _reference(jobs, 100))
 
 
 # -- the user's own loop -----------------------------------------------------------------------------------

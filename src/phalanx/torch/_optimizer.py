@@ -278,8 +278,8 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
         if self._shard is not None or self._group is not None:
             raise UsageError(
                 f"phalanx.{_CALL}.rebind: a {'sharded' if self._shard else 'group'} optimizer cannot follow a "
-                "re-formed world: its state is split by the old world's ranks. Make a new one from a "
-                "checkpoint, or use shard=None over the whole world.")
+                "re-formed world: its state is split by the old world's ranks. Call release() and wrap the "
+                "optimizer again, then load its state from a checkpoint, or use shard=None over the whole world.")
         old = self._engine
         old.close()
         for p in self._all_params():
@@ -408,6 +408,18 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
             self._sharding.load_state_dict(self.optimizer, state_dict)
         else:
             self.optimizer.load_state_dict(state_dict)
+
+    def release(self) -> torch.optim.Optimizer:
+        """Give the wrapped optimizer back as it was before wrapping (its whole parameters in its groups)
+        and stop reducing; a sharded optimizer's state is dropped (its slices belong to this world's
+        split). For a world that changed: wrap it again, then load its state. Local (no collective)."""
+        self._engine.close()
+        if self._sharding is not None:
+            self._sharding.release(self.optimizer)
+            self._sharding = None
+        for p in self._all_params():
+            p.grad = None
+        return self.optimizer
 
     def close(self) -> None:
         """Stop reducing gradients (removes the hooks); the wrapped optimizer is unchanged."""

@@ -118,6 +118,15 @@ class Sharding:
                 slices.append(shard)
             group["params"] = slices
 
+    def release(self, optimizer: torch.optim.Optimizer) -> None:
+        """The inverse of :meth:`adopt`, for a world that changed: the whole parameters back in
+        ``optimizer``'s groups and its state dropped (the slices' state belongs to the old world's
+        split; the caller loads a whole state afterwards, e.g. from a checkpoint)."""
+        whole = {id(shard): p for shard, p in zip(self.plan.shards, self.plan.params, strict=True)}
+        for group in optimizer.param_groups:
+            group["params"] = [whole.get(id(p), p) for p in group["params"]]
+        optimizer.state.clear()
+
     def before_step(self) -> None:
         """Stage 1: each shard's ``.grad`` is its slice of the parameter's reduced ``.grad`` (a view;
         again here, in case ``p.grad`` was replaced since the reduction)."""

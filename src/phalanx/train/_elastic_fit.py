@@ -62,13 +62,40 @@ def check(o: Any) -> None:
                "only when every step trains on the same global batch")
     elif o.replicas is not None:
         why = "in-process replicas do not re-form; use one process per device"
-    elif o.shard is not None:
-        why = (f"shard={o.shard!r}: a lost rank's shards are not kept anywhere else yet; use shard=None, or "
-               "restart whole from sharded checkpoints (--max-restarts without elastic=True)")
+    elif o.shard == "parameters":
+        why = ("shard='parameters': the sharded parameters cannot be re-split in place yet; use shard='gradients' "
+               "(or 'optimizer'), or restart whole from sharded checkpoints (--max-restarts without elastic=True)")
+    elif o.shard is not None and o.checkpoint_dir is None:
+        why = (f"shard={o.shard!r} needs checkpoint_dir: a lost rank's optimizer shard exists nowhere else, so "
+               "the survivors reload the last checkpoint in process (give checkpoint_every for how far back)")
     elif o.compression == "powersgd" or (o.compression is not None and not isinstance(o.compression, str)):
         why = "PowerSGD's error feedback is per rank and cannot be re-split; use compression=None/'bf16'/'fp16'"
     if why is not None:
         raise InvalidArgumentError(f"phalanx.train.fit(elastic=True): {why}.")
+
+
+def start(run: Any) -> None:
+    """At the start of an elastic run, on every rank of the world, a replacement's too (collective)."""
+    if run.o.shard is None:
+        resync(run)
+    else:
+        reload(run)
+
+
+def reload(run: Any) -> None:
+    """Sharded: every rank takes the newest checkpoint written at a step no later than the newest rank's
+    (collective). None yet (a fresh start): rank 0's model, then a checkpoint of it, to come back to."""
+    from .._collectives import allreduce
+    from .._sync import synchronize
+    from ._resume import resume
+
+    newest = int(allreduce(np.array([run.progress.global_step], np.int64), op="max")[0])
+    if resume(run, until=newest):
+        return
+    with torch.no_grad():
+        synchronize(run.model, root=0)
+    run.progress.saved_at = -1
+    run._checkpoint()
 
 
 def resync(run: Any) -> dict[str, Any]:
@@ -139,16 +166,22 @@ def recover(run: Any, exc: BaseException) -> None:
     started = time.monotonic()
     run.step_opt.zero_grad(set_to_none=True)
     why = "admitting a replacement" if isinstance(exc, GrowRequested) else _epochs.describe_loss(exc)
+    sharded = run.o.shard is not None
+    inner = run.dist_opt.release() if sharded else None  # its slices' state belongs to the old split
     epoch = _epochs.reform(why)
-    rebind(run)
-    resync(run)
+    rebind(run, inner)
+    if sharded:
+        reload(run)
+    else:
+        resync(run)
     run.history.recoveries.append({"epoch": epoch.number, "size": epoch.size, "lost": len(epoch.lost),
                            "joined": len(epoch.joined), "step": run.progress.global_step,
                            "seconds": time.monotonic() - started, "cause": why})
 
 
-def rebind(run: Any) -> None:
-    """Everything of ``run`` that depends on the world, made again for the current one (collective)."""
+def rebind(run: Any, released: Any = None) -> None:
+    """Everything of ``run`` that depends on the world, made again for the current one (collective);
+    ``released``: the optimizer a sharded DistributedOptimizer gave back, wrapped again here."""
     from .. import _world
     from ._options import worker_batch
     from ._progress import Geometry
@@ -162,7 +195,10 @@ def rebind(run: Any) -> None:
     run.loggers = list(o.loggers) if run.rank == 0 else []
     run.geometry = Geometry.of(len(run.train_data), batch_size=worker_batch(o, run.size, run.k), ranks=run.size,
                                replicas=run.k, accumulate=o.accumulate)
-    run.step_opt.rebind()
+    if released is not None:
+        run.wrap(released)
+    else:
+        run.step_opt.rebind()
     run.engine = run.step_opt.engine
     run.engine.check_finite = True
 

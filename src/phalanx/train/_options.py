@@ -72,8 +72,9 @@ OPTIONS_DOC = """
         elastic: go on through lost ranks in place: under ``phalanx run --backend gloo --max-restarts K``
             (or ``--min-ranks M``) the survivors re-form the world, redo the interrupted step on the same
             ``global_batch_size`` (required) and continue; replacements join at a step boundary and
-            receive the state from a live peer. The result equals an uninterrupted run. Elsewhere
-            (one process, mpi, no such flag) it changes nothing. Not with replicas, sharding or PowerSGD.
+            receive the state from a live peer (sharded: every rank reloads the last checkpoint of
+            ``checkpoint_dir``, required). The result equals an uninterrupted run. Elsewhere (one process,
+            mpi, no such flag) it changes nothing. Not with replicas, ``shard="parameters"`` or PowerSGD.
     Logging:
         loggers, log_every: loggers (on rank 0) and how often training metrics are recorded.
         progress: a progress bar and a summary on rank 0.

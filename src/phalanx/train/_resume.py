@@ -48,21 +48,27 @@ def _sharded(run: RunState) -> bool:
     return bool(getattr(run.model, "shards_parameters", False))
 
 
-def resume(run: RunState) -> bool:
+def resume(run: RunState, until: int | None = None) -> bool:
     """Restore ``run`` from ``resume=``; False when ``"latest"`` finds no checkpoint (a fresh start).
 
     ``"latest"`` takes the newest checkpoint that loads *and* restores on every rank: a damaged one
     (digest mismatch, bad RNG state) on any rank makes every rank fall back to the previous one.
+    ``until``: instead of ``resume=``, the newest checkpoint of ``checkpoint_dir`` written at a step
+    no later than ``until`` (a sharded ``fit(elastic=True)`` reloading in process).
     """
     from ..torch._sharded import whole_state
 
     o = run.o
+    latest = until is not None or str(o.resume) == "latest"
 
     def use(state: dict[str, Any]) -> dict[str, Any]:
+        step = (state.get("progress") or {}).get("global_step")
+        if until is not None and (not isinstance(step, int) or step > until):
+            raise CheckpointError(f"written at step {step}, after step {until}: not this run's")
         if "sharded" in state:  # the model and optimizer are in the shard directory beside the file
             from ..torch import load_sharded
 
-            where = run.manager.directory if str(o.resume) == "latest" else os.path.dirname(str(o.resume))
+            where = run.manager.directory if latest else os.path.dirname(str(o.resume))
             load_sharded(os.path.join(where, state["sharded"]), run.model, run.inner)
             progress = restore_state(state, model=torch.nn.Module(), scheduler=run.scheduler, scaler=run.scaler)
         else:  # a whole state: into sharded parameters too, each rank keeping its elements
@@ -76,7 +82,7 @@ def resume(run: RunState) -> bool:
                                   f"position (progress={progress!r}); was it written by fit?") from exc
         return state
 
-    if str(o.resume) == "latest":
+    if latest:
         found = run.manager.first_good(use)
         if found is None:
             return False

@@ -117,7 +117,6 @@ class Run:
         """Make every rank start from rank 0's state, and set up the gradient reduction."""
         from ..torch import DataParallel, DistributedOptimizer
 
-        o = self.o
         if self.replicas is not None:
             if self.size > 1:
                 with torch.no_grad():
@@ -125,12 +124,7 @@ class Run:
             self.replicas.synchronize()
         elif (self.size > 1 or self.elastic) and not isinstance(self.model, DataParallel):
             if not isinstance(optimizer, DistributedOptimizer):
-                self.dist_opt = DistributedOptimizer(
-                    optimizer, compression=o.compression, bucket_cap_mb=o.bucket_cap_mb,
-                    broadcast_parameters=not self.elastic,  # elastic: resync() sends the newest state
-                    shard=None if o.shard == "parameters" else o.shard,  # "parameters": wrapped in DataParallel
-                    named_parameters=self.model.named_parameters())
-                self.step_opt = self.dist_opt
+                self.wrap(optimizer)
             self.engine = self.step_opt.engine
         elif isinstance(self.model, DataParallel):
             self.engine = self.model.engine
@@ -138,7 +132,18 @@ class Run:
         if self.engine is not None:
             self.engine.check_finite = True
         if self.elastic:
-            _elastic_fit.resync(self)
+            _elastic_fit.start(self)
+
+    def wrap(self, optimizer: Any) -> None:
+        """The DistributedOptimizer fit steps (made at the start, and again by a sharded elastic run)."""
+        from ..torch import DistributedOptimizer
+
+        o = self.o
+        self.dist_opt = self.step_opt = DistributedOptimizer(
+            optimizer, compression=o.compression, bucket_cap_mb=o.bucket_cap_mb,
+            broadcast_parameters=not self.elastic,  # elastic: _elastic_fit.start brings the newest state
+            shard=None if o.shard == "parameters" else o.shard,  # "parameters": wrapped in DataParallel
+            named_parameters=self.model.named_parameters())
 
     # -- the loop -------------------------------------------------------------------
     def total_steps(self) -> int:
