@@ -79,6 +79,8 @@ def _topology(n: int) -> None:
 def _reformed(epoch: Any) -> None:
     """After ``phalanx.reform()`` (hvd.elastic.run's reset in place): what ``hvd.init`` sets up, again
     for the new world, in ``hvd.init``'s order (a replacement's own ``hvd.init`` makes the same calls)."""
+    if not _cross:  # hvd.init() was never called in this process: nothing of Horovod's to rebind
+        return
     _world("init").retry_mismatch = majority_retries
     forget_all()
     _cross.clear()
