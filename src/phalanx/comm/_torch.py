@@ -192,12 +192,32 @@ class TorchBackend(TorchBuffers, TorchShardOps):
     def _wait(self, work: Any, timeout: float) -> None:
         """Wait for ``work`` at most ``timeout`` s; its failure as WaitTimeout or PeerLost."""
         if self._nccl:
-            poll(work.is_completed, timeout)  # never blocks the host on a kernel that cannot finish
-            work.wait()
+            poll(work.is_completed if self._interrupted is None else self._interruptible_test(work), timeout)
+            work.wait()  # never blocks the host on a kernel that cannot finish: it completed
         elif self._interrupted is None:
             work.wait(timedelta(seconds=timeout))
         else:
             self._wait_interruptible(work, timeout, self._interrupted)
+
+    def _interruptible_test(self, work: Any) -> Callable[[], bool]:
+        """nccl in a world with epochs: ``work.is_completed``, which between quarter seconds also asks
+        whether the epoch ended (then PeerLost). Untested here: no GPU runs more than one nccl rank."""
+        interrupted = self._interrupted
+        assert interrupted is not None  # internal invariant
+        next_look = [time.monotonic() + _SLICE_S]
+
+        def test() -> bool:
+            if work.is_completed():
+                return True
+            now = time.monotonic()
+            if now >= next_look[0]:
+                next_look[0] = now + _SLICE_S
+                why = interrupted()
+                if why is not None:
+                    raise PeerLost(f"the launcher ended this epoch: {why}")
+            return False
+
+        return test
 
     def _wait_interruptible(self, work: Any, timeout: float, interrupted: Callable[[], str | None]) -> None:
         """A world with epochs: wait in slices of a quarter second, and between them ask whether the
