@@ -50,6 +50,7 @@ from ._errors import (
     CollectiveTimeoutError,
     QuorumLostError,
     RankFailedError,
+    RendezvousError,
     UsageError,
     WorldBrokenError,
 )
@@ -58,7 +59,8 @@ if TYPE_CHECKING:
     from .comm._guard import Guard
 
 __all__ = ["ELASTIC_ENV", "JOINING_ENV", "MEMBER_ENV", "Epoch", "Membership", "available", "declare", "epoch",
-           "first_epoch", "grow_requested", "joined_late", "membership", "on_reform", "recoverable", "reform"]
+           "first_epoch", "grow_requested", "joined_late", "membership", "on_reform", "recoverable", "recovers",
+           "reform"]
 
 ELASTIC_ENV = "PHALANX_ELASTIC"  # "host:port": the launcher's store (behind the job's guard)
 MEMBER_ENV = "PHALANX_MEMBER"  # this process's member id (0..n-1 at the start, then n, n+1, ... for replacements)
@@ -136,7 +138,7 @@ class Membership:
     def declare(self) -> None:
         """Tell the launcher that this rank survives a lost peer by re-forming (set once)."""
         if not self.declared:
-            self._set(f"elastic/declared/{self.member}", "1")
+            self._set(f"elastic/declared/{self.member}", repr(self.timeout))  # the launcher waits this long
             self.declared = True
 
     # -- epochs ----------------------------------------------------------------------
@@ -146,7 +148,8 @@ class Membership:
             self.epoch = self._read(0, None)
             return self.epoch
         self._set(f"elastic/join/{self.member}", json.dumps({"pid": os.getpid()}))
-        number = self._await(f"elastic/admit/{self.member}", None, "to be admitted into the running job")
+        # as long as the launcher lives: the survivors admit it at their next step boundary, or tell it to leave
+        number = self._await(f"elastic/admit/{self.member}", None, "to be admitted into the running job", None)
         if int(number) < 0:  # the survivors finished before a step boundary could admit this replacement
             print(f"phalanx: the replacement in slot {os.environ.get('RANK', '?')} was not needed: the job "
                   "finished before it could join.", file=sys.stderr, flush=True)
@@ -174,9 +177,13 @@ class Membership:
         if self._get(key) is None:
             self._set(key, reason)
 
-    def _await(self, key: str, verdict: str | None, what: str) -> str:
-        limit = 2 * self.timeout + 30  # the launcher waits up to the timeout for ranks still checking in
-        deadline, pause = time.monotonic() + limit, 0.002
+    def _await(self, key: str, verdict: str | None, what: str, limit: float | None = -1.0) -> str:
+        """``key``'s value once set; QuorumLostError with ``verdict``'s once that is set, or after ``limit``
+        seconds (default: twice the timeout and 30 s: the launcher waits up to the timeout for ranks
+        still checking in; None: no limit but the store's, which fails when the launcher is gone)."""
+        if limit is not None and limit < 0:
+            limit = 2 * self.timeout + 30
+        deadline, pause = time.monotonic() + (limit if limit is not None else float("inf")), 0.002
         while True:
             value = self._get(key)
             if value is not None:
@@ -221,8 +228,12 @@ _REBINDS: list[Callable[[Epoch], None]] = []
 
 def available() -> bool:
     """Whether this process was started by a launcher that re-forms worlds (``phalanx run`` with
-    ``--max-restarts`` or ``--min-ranks`` on gloo/nccl)."""
-    return bool(os.environ.get(ELASTIC_ENV, "").strip())
+    ``--max-restarts`` or ``--min-ranks`` on gloo/nccl), and its world can: not when the script made
+    torch.distributed's group itself (phalanx then uses that group as it is, as without the flags)."""
+    if not os.environ.get(ELASTIC_ENV, "").strip():
+        return False
+    dist = sys.modules.get("torch.distributed")
+    return _MEMBERSHIP is not None or dist is None or not dist.is_available() or not dist.is_initialized()
 
 
 def membership() -> Membership | None:
@@ -240,7 +251,10 @@ def first_epoch(timeout: float) -> Epoch:
         return _MEMBERSHIP.first()
     if _MEMBERSHIP.epoch is None:  # pragma: no cover - first() raised before: try again
         return _MEMBERSHIP.first()
-    return _MEMBERSHIP.epoch
+    raise UsageError(
+        "phalanx.init: called again after phalanx.shutdown() in a job whose world re-forms in place (phalanx run "
+        "--backend gloo with --max-restarts or --min-ranks): the world's epoch cannot be formed twice. Keep the "
+        "world for the whole script (phalanx.reform() re-forms it after a failure), or run without those flags.")
 
 
 def _required(call: str) -> Membership:
@@ -271,6 +285,11 @@ def declare() -> None:
     Every rank must declare; a job where some rank has not behaves as without it. UsageError where
     worlds cannot re-form."""
     _required("declare").declare()
+
+
+def recovers() -> bool:
+    """Whether this rank declared that it recovers in place (``init(elastic=True)``, ``fit(elastic=True)``)."""
+    return _MEMBERSHIP is not None and _MEMBERSHIP.declared
 
 
 def joined_late() -> bool:
@@ -327,7 +346,11 @@ def reform(reason: str | None = None) -> Epoch:
     ms.announce(why)  # first: the old group's peers stop waiting, and its teardown need not wait for them
     old.release()
     new_epoch = ms.reform(why)
-    _world.reformed(old, new_epoch)
+    try:
+        _world.reformed(old, new_epoch)
+    except RendezvousError as exc:  # a member of the new epoch was lost while it formed: again
+        raise RankFailedError(f"phalanx.reform: epoch {new_epoch.number} could not form ({exc}). Call "
+                              "phalanx.reform() again (fit(elastic=True) does).") from None
     for callback in list(_REBINDS):
         callback(new_epoch)
     return new_epoch

@@ -106,6 +106,7 @@ class World:
         self.broken: str | None = None
         self._pending: deque[Pending] = deque()  # non-blocking calls whose data phase is not posted
         self._at_shutdown: list[Callable[[], None]] = []
+        self._released = False
         self.groups_made, self.world_group = 0, cast(Any, None)  # phalanx.new_group's (_groups.py)
         # A layer's rule (phalanx.horovod's), called on every rank of a mismatch with every rank's
         # description and whether this rank can retry (a blocking call): True makes this rank agree on
@@ -120,7 +121,7 @@ class World:
         """Raise if the world is broken; post the pending non-blocking calls (before ``until``)."""
         if self.broken is not None:
             fix = ("Call phalanx.reform() on every surviving rank to continue in a new epoch (fit(elastic=True) "
-                   "does), then use the objects made in it." if self.epoch is not None else
+                   "does), then use the objects made in it." if self.epoch is not None and _epochs.recovers() else
                    "Let the exception end the job (the launcher stops every rank) and restart from a checkpoint.")
             raise WorldBrokenError(
                 f"phalanx.{call}: the world is unusable after an earlier failure ({self.broken}). {fix}")
@@ -221,7 +222,8 @@ class World:
     def peer_lost(self, call: str, exc: BaseException) -> RankFailedError:
         self.mark_broken(f"a peer was lost during {call}")
         after = (f"This epoch ({self.epoch}) of the world cannot be used any more: phalanx.reform() re-forms "
-                 "it with the survivors." if self.epoch is not None else "This world cannot be used any more.")
+                 "it with the survivors." if self.epoch is not None and _epochs.recovers() else
+                 "This world cannot be used any more.")
         return RankFailedError(
             f"phalanx.{call}: a peer rank died or closed its connection ({exc}). The failing rank's "
             f"own error is in its output (`phalanx run` reports it first). {after}"
@@ -241,7 +243,11 @@ class World:
             self._at_shutdown.append(callback)
 
     def release(self) -> None:
-        """Run the :meth:`on_shutdown` callbacks, then release the backend (the end of ``shutdown()``)."""
+        """Run the :meth:`on_shutdown` callbacks, then release the backend (the end of ``shutdown()``);
+        once (a world that re-forms may be released before a new epoch fails to form, and again after)."""
+        if self._released:
+            return
+        self._released = True
         for callback in list(self._at_shutdown):
             callback()
         self.backend.shutdown()

@@ -74,7 +74,8 @@ class TorchBackend(TorchBuffers, TorchShardOps):
                 self.rank, self.size = env("RANK", int), env("WORLD_SIZE", int)
             else:
                 self.rank, self.size = epoch.rank, epoch.size
-            meeting = Rendezvous(dist, self.rank, self.size, timeout, generation, served=epoch is not None)
+            meeting = Rendezvous(dist, self.rank, self.size, timeout, generation, served=epoch is not None,
+                                 interrupted=self._interrupted)
             self._store, self._rendezvous = meeting.store, meeting
             try:
                 self._setup(name, timeout, devices, meeting)

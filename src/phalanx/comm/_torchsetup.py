@@ -129,14 +129,19 @@ class Rendezvous:
     """The ranks' meeting point: the store, and what each rank told it when it joined."""
 
     def __init__(self, dist: Any, rank: int, size: int, timeout: float, generation: int | str,
-                 served: bool = False) -> None:
+                 served: bool = False, interrupted: Callable[[], str | None] | None = None) -> None:
         self.rank, self.size, self.timeout = rank, size, timeout
-        self.host, self.port = env("MASTER_ADDR"), env("MASTER_PORT", int)
+        if served:  # the launcher's store (PHALANX_ELASTIC, "host:port"), not rank 0's MASTER_PORT
+            host, _, port = os.environ.get("PHALANX_ELASTIC", "").strip().rpartition(":")
+            self.host, self.port = host, int(port)
+        else:
+            self.host, self.port = env("MASTER_ADDR"), env("MASTER_PORT", int)
         self.where = f"{self.host}:{self.port}"
         self.prefix = f"phalanx/{generation}/"
         # ``served``: the launcher serves the store for the whole job (a world with epochs, phalanx._epochs);
         # every rank is a client, and this epoch's keys are its own (``generation`` names the epoch).
         self.served, self.generation = served, generation
+        self.interrupted = interrupted  # why this epoch ended while it forms (a member lost), else None
         if not 0 <= rank < size:
             raise LaunchEnvironmentError(
                 f"phalanx.init: RANK={rank} is not a rank of WORLD_SIZE={size} (need 0 <= RANK < "
@@ -272,6 +277,9 @@ class Rendezvous:
             while not store.check(keys):
                 if self.rank != 0 and store.check([verdict]):
                     raise RendezvousError(store.get(verdict).decode())
+                why = self.interrupted() if self.interrupted is not None else None
+                if why is not None:
+                    raise RendezvousError(f"phalanx.init: the epoch ended while its ranks met: {why}")
                 if time.monotonic() > deadline:
                     self._give_up(keys, verdict)
                 time.sleep(pause)

@@ -9,8 +9,11 @@ of the current epoch has declared that it re-forms (``fit(elastic=True)`` does),
 changes: the first failure ends the job as always, and ``--max-restarts`` restarts it whole.
 Once all have:
 
-* a member that exits with a failure is *absorbed* (the job goes on): the epoch is marked
-  broken, so the survivors' pending collectives raise within a quarter second;
+* a member that dies (a signal, ``os._exit``, the OOM killer) is *absorbed* (the job goes on):
+  the epoch is marked broken, so the survivors' pending collectives raise within a quarter
+  second. A rank that raises an uncaught exception leaves a record and ends the job as always
+  (its error is the script's, not a lost rank); one that ends its script (status 0) is gone
+  from the next epoch and ends the admission of replacements;
 * the next epoch forms once every member of the current one has checked in or is gone.
   One that has neither checked in nor exited ``timeout`` seconds after the re-forming
   began (stalled) is killed, so that it is gone for certain before the others continue;
@@ -30,6 +33,7 @@ process it replaces.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -78,7 +82,8 @@ class Coordinator:
         self.server = serve(port, secret)
         self.store = self.server.store
         self.n, self.timeout = job.n, timeout
-        self.restarts_left = max(0, job.max_restarts - len(job.replaced))
+        restarts = int(job.env.get("PHALANX_RESTART_COUNT", "0") or 0)  # whole restarts so far (._elastic)
+        self.restarts_left = max(0, job.max_restarts - restarts - len(job.replaced))
         self.replaced = job.replaced  # shared with the whole-job restarts (._elastic): one budget
         self.min_ranks = job.min_ranks or 1
         self.epoch = 0
@@ -91,12 +96,15 @@ class Coordinator:
         self.killed: dict[int, int] = {}  # slot -> member id of a stalled rank this launcher killed
         self.ended = False  # a verdict ended the job: failures end it as always from now on
         self.finishing = False  # a member ended its script: replacements no longer join
+        self.exited: set[int] = set()  # members that ended their script (exit status 0)
+        self.timeouts: dict[int, float] = {}  # each declared member's own collective timeout
         self.store.set("elastic/e0/members", json.dumps(self.current))
 
     # -- what the ranks get ----------------------------------------------------------
     def env(self, slot: int, member: int | None = None) -> dict[str, str]:
         """The environment a rank of slot ``slot`` gets (``member``: a replacement's new id)."""
-        out = {ELASTIC_ENV: f"127.0.0.1:{self.server.port}", MEMBER_ENV: str(slot if member is None else member)}
+        out = {ELASTIC_ENV: f"127.0.0.1:{self.server.port}", MEMBER_ENV: str(slot if member is None else member),
+               "PHALANX_MIN_RANKS": str(self.min_ranks)}
         if member is not None:
             out[JOINING_ENV] = "1"
         return out
@@ -126,8 +134,9 @@ class Coordinator:
                 self._replace(slot, respawn)
                 continue
             member = by_slot.get(slot)
-            if member is not None and death.code == 0 and member.id in self.current:
-                self._finishing()  # a rank ended its script: no replacement can join any more
+            if member is not None and death.code == 0 and member.id not in self.exited:
+                self.exited.add(member.id)  # it ended its script: gone, never waited for or killed
+                self._finishing()  # and no replacement can join any more
             if member is None or death.code == 0 or not (elastic or not member.admitted):
                 continue
             absorbed.append(slot)
@@ -145,8 +154,8 @@ class Coordinator:
         return absorbed
 
     def _replace(self, slot: int, respawn: Callable[[int, dict[str, str]], int]) -> None:
-        """Start a replacement at ``slot`` while ``--max-restarts`` allow it."""
-        if self.restarts_left <= 0:
+        """Start a replacement at ``slot`` while ``--max-restarts`` allow it (not once the job is ending)."""
+        if self.restarts_left <= 0 or self.finishing or self.ended:
             return
         self.restarts_left -= 1
         self.replaced.append(slot)
@@ -167,9 +176,17 @@ class Coordinator:
 
     def _all_declared(self) -> bool:
         for m in self.current:
-            if m not in self.declared and self.store.check([f"elastic/declared/{m}"]):
+            key = f"elastic/declared/{m}"
+            if m not in self.declared and self.store.check([key]):
                 self.declared.add(m)
+                with contextlib.suppress(ValueError):  # the rank's own timeout (init(timeout=...))
+                    self.timeouts[m] = float(bytes(self.store.get(key)).decode())
         return bool(self.current) and all(m in self.declared for m in self.current)
+
+    def _timeout(self) -> float:
+        """How long a rank of the current epoch may wait in a collective: the longest of theirs."""
+        theirs = [self.timeouts[m] for m in self.current if m in self.timeouts]
+        return max(theirs) if theirs else self.timeout
 
     def _begin(self, why: str) -> None:
         """Start re-forming (once per epoch): mark the epoch broken, so waiting ranks stop waiting."""
@@ -188,8 +205,9 @@ class Coordinator:
             self._offer_joiners()
             return
         gone = self.reform.gone
+        gone.update({m: "finished its script" for m in self.current if m in self.exited and m not in gone})
         pending = [m for m in self.current if m not in checked and m not in gone]
-        if pending and time.monotonic() - self.reform.since < self.timeout + _GRACE_AFTER_TIMEOUT:
+        if pending and time.monotonic() - self.reform.since < self._timeout() + _GRACE_AFTER_TIMEOUT:
             return
         for m in pending:  # stalled past the timeout: gone for certain before the others go on
             member = self.members.pop(m, None)
@@ -229,6 +247,8 @@ class Coordinator:
             self.store.set(here + "verdict", verdict)
             notice(verdict.replace("phalanx.reform: ", ""))
             self.reform, self.ended = None, True
+            for m in joiners + [m.id for m in self.members.values() if not m.admitted]:
+                self.store.set(f"elastic/admit/{m}", "-1")  # nothing to join: leave
             return
         self.epoch += 1
         self.store.set(f"elastic/e{self.epoch}/members", json.dumps(members))
@@ -251,8 +271,19 @@ def _how(code: int | None) -> str:
     return f"was killed by {signal_name(-code)}" if code < 0 else f"exited with status {code}"
 
 
-def _kill(pid: int) -> None:
+def _kill(pid: int, wait: float = 2.0) -> None:
+    """SIGKILL ``pid``'s group (its own session: the rank and what it started) and wait, at most ``wait``
+    seconds, until it has exited (a zombie, left for the spawner to reap, or gone)."""
     try:
-        os.killpg(pid, signal.SIGKILL)  # its own session: the rank and what it started
+        os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
+        return
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except (OSError, IndexError):
+            return
+        time.sleep(0.01)

@@ -93,9 +93,9 @@ def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals,
     placement = placement or Placement(world_size=job.n, ranks=tuple(range(job.n)))
     epochs = None
     if wants_epochs(job) and placement.world_size == job.n:  # the store here: the world re-forms in place
-        port = free_port()
-        epochs = Coordinator(job, port, env["PHALANX_SECRET"], float(env.get("PHALANX_TIMEOUT") or 300.0))
-        placement = dataclasses.replace(placement, master_port=port)
+        # its own port: MASTER_PORT stays free for a script that makes torch.distributed's group itself
+        epochs = Coordinator(job, free_port(), env["PHALANX_SECRET"], float(env.get("PHALANX_TIMEOUT") or 300.0))
+        placement = dataclasses.replace(placement, master_port=placement.master_port or free_port())
     try:
         return _supervise(job, env, job_dir, signals, placement, lost, outcome, epochs, start)
     finally:

@@ -286,8 +286,7 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
             p.grad = None
         # The collectives of __init__ (without its broadcast), in its order: a replacement makes them there.
         check_shard(_CALL, self._shard, self._options["compression"], self._group, modules=False)
-        self._engine = self._make_engine()
-        self._engine.step_label = old.step_label
+        self._engine = self._make_engine()  # its step label starts at 0, as a replacement's new one does
         self.nonfinite = old.on_nonfinite
         self._reduced_at_step = self._engine.reductions
 

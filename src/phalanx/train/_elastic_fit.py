@@ -33,6 +33,7 @@ step's own exchange: ``_run.Run._step``).
 from __future__ import annotations
 
 import io
+import os
 import time
 from typing import Any
 
@@ -75,11 +76,33 @@ def check(o: Any) -> None:
 
 
 def start(run: Any) -> None:
-    """At the start of an elastic run, on every rank of the world, a replacement's too (collective)."""
-    if run.o.shard is None:
-        resync(run)
-    else:
-        reload(run)
+    """At the start of an elastic run, on every rank of the world, a replacement's too (collective);
+    a peer lost meanwhile is recovered from as in the loop."""
+    _check_sizes(run)
+    try:
+        if run.o.shard is None:
+            resync(run)
+        else:
+            reload(run)
+    except Exception as exc:
+        if not _epochs.recoverable(exc):
+            raise
+        _recover_until_done(run, exc)
+
+
+def _check_sizes(run: Any) -> None:
+    """Every world the job may shrink to (down to ``--min-ranks``) must split ``global_batch_size``:
+    refused now, on every rank alike, rather than when a rank is lost."""
+    from ._options import worker_batch
+
+    floor = int(os.environ.get("PHALANX_MIN_RANKS", "1") or 1)
+    for size in range(max(1, floor), run.size):
+        try:
+            worker_batch(run.o, size, run.k)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(
+                f"phalanx.train.fit(elastic=True): this job of {run.size} ranks may shrink to {size} while it runs "
+                f"(--min-ranks {floor}), and {str(exc).split(': ', 1)[1]} Or raise --min-ranks.") from None
 
 
 def reload(run: Any) -> None:
@@ -132,7 +155,9 @@ def _pack(run: Any) -> bytes:
         "scaler": run.scaler.state_dict() if run.scaler is not None else None,
         "position": run.progress.position(),
         "validated_at": run.progress.validated_at,
+        "saved_at": run.progress.saved_at,
         "skipped": run.policy.skipped,
+        "skipped_in_a_row": run.policy.skipped_in_a_row,
         "samples_done": run.samples_done,
         "window": torch.from_numpy(run.window.copy()),
         "history": run.history.to_json(),
@@ -154,7 +179,9 @@ def _unpack(run: Any, payload: Any) -> None:
     if run.scaler is not None and state["scaler"] is not None:
         run.scaler.load_state_dict(state["scaler"])
     run.progress.restore(state["position"], validated_at=int(state["validated_at"]))
+    run.progress.saved_at = int(state["saved_at"])  # as on the sender: a checkpoint is due alike everywhere
     run.policy.skipped = int(state["skipped"])
+    run.policy.skipped_in_a_row = int(state["skipped_in_a_row"])
     run.samples_done = int(state["samples_done"])
     run.window = state["window"].numpy().copy()
     run.history.records = History.from_json(state["history"]).records
@@ -164,6 +191,7 @@ def _unpack(run: Any, payload: Any) -> None:
 def recover(run: Any, exc: BaseException) -> None:
     """After a lost peer (``exc``) or to admit a replacement: re-form, rebind, resync (module notes)."""
     started = time.monotonic()
+    run.grow_now = False
     run.step_opt.zero_grad(set_to_none=True)
     why = "admitting a replacement" if isinstance(exc, GrowRequested) else _epochs.describe_loss(exc)
     sharded = run.o.shard is not None
@@ -188,10 +216,10 @@ def rebind(run: Any, released: Any = None) -> None:
 
     o = run.o
     run.rank, run.size = _world.rank(), _world.size()
-    skipped = run.policy.skipped
+    old = run.policy
     run.policy = FailurePolicy(on_nonfinite=o.on_nonfinite, on_oom=o.on_oom, max_skipped=o.max_skipped,
                                rank=run.rank, size=run.size)
-    run.policy.skipped = skipped
+    run.policy.skipped, run.policy.skipped_in_a_row = old.skipped, old.skipped_in_a_row
     run.loggers = list(o.loggers) if run.rank == 0 else []
     run.geometry = Geometry.of(len(run.train_data), batch_size=worker_batch(o, run.size, run.k), ranks=run.size,
                                replicas=run.k, accumulate=o.accumulate)
@@ -204,17 +232,26 @@ def rebind(run: Any, released: Any = None) -> None:
 
 
 def train(run: Any, total: int) -> None:
-    """``run``'s step loop, re-formed in place after each lost peer or admitted replacement until it ends
-    (again when a peer is lost while re-forming); anything else is raised as it is."""
-    pending: BaseException | None = None
+    """``run``'s step loop, re-formed in place after each lost peer or admitted replacement until it ends;
+    anything else is raised as it is."""
     while True:
         try:
-            if pending is None:
-                run._train(total)
-                return
-            recover(run, pending)
-            pending = None
+            run._train(total)
+            return
         except Exception as exc:
             if not (isinstance(exc, GrowRequested) or _epochs.recoverable(exc)):
                 raise
-            pending = exc
+            _recover_until_done(run, exc)
+
+
+def _recover_until_done(run: Any, exc: BaseException) -> None:
+    """:func:`recover` from ``exc``, again while a peer is lost during it."""
+    pending: BaseException | None = exc
+    while pending is not None:
+        try:
+            recover(run, pending)
+            pending = None
+        except Exception as again:
+            if not _epochs.recoverable(again):
+                raise
+            pending = again

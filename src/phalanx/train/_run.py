@@ -207,6 +207,8 @@ class Run:
                 batches.epoch, batches.start = at.epoch, at.start
                 micro: list[Any] = []
                 for batch in loader:
+                    if self.grow_now:  # every rank agreed in the last step's exchange: admit the replacement
+                        raise _elastic_fit.GrowRequested  # before this step (after the last one's epoch end)
                     micro.append(batch)
                     if len(micro) < o.accumulate:
                         continue
@@ -219,8 +221,6 @@ class Run:
                         self._validate()
                     if o.checkpoint_every and at.global_step % o.checkpoint_every == 0:
                         self._checkpoint()
-                    if self.grow_now:  # every rank agreed in this step's exchange: admit the replacement
-                        raise _elastic_fit.GrowRequested
                     if done == limit:
                         break
             if self.history.stopped is not None:
