@@ -31,6 +31,8 @@ ALLOWED_CLASSES = {
     ("comm/_base.py", "DiagnosisUnavailable"): "caught by the timeout diagnosis, which says so in "
                                                "the CollectiveTimeoutError",
     ("train/_policy.py", "NonFiniteLoss"): "caught by fit's step loop, which applies the failure policy",
+    ("train/_elastic_fit.py", "GrowRequested"): "raised between fit's steps when every rank agreed to admit a "
+                                                "replacement; caught by fit's elastic loop, which re-forms the world",
     ("testing/__init__.py", "WorldFailed"): "a failed test world for pytest: an AssertionError (a test failure, with every "
                                    "rank's output), not an error of the API",
 }
