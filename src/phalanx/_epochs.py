@@ -46,11 +46,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ._current import current
 from ._errors import (
     CollectiveTimeoutError,
     QuorumLostError,
     RankFailedError,
-    RendezvousError,
     UsageError,
     WorldBrokenError,
 )
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ELASTIC_ENV", "JOINING_ENV", "MEMBER_ENV", "Epoch", "Membership", "available", "declare", "epoch",
            "first_epoch", "grow_requested", "joined_late", "membership", "on_reform", "recoverable", "recovers",
-           "reform"]
+           "rebinds", "required"]
 
 ELASTIC_ENV = "PHALANX_ELASTIC"  # "host:port": the launcher's store (behind the job's guard)
 MEMBER_ENV = "PHALANX_MEMBER"  # this process's member id (0..n-1 at the start, then n, n+1, ... for replacements)
@@ -257,10 +257,9 @@ def first_epoch(timeout: float) -> Epoch:
         "world for the whole script (phalanx.reform() re-forms it after a failure), or run without those flags.")
 
 
-def _required(call: str) -> Membership:
-    from . import _world
-
-    world = _world.current(call)
+def required(call: str) -> Membership:
+    """This process's membership, or UsageError naming ``call`` and the fix where worlds cannot re-form."""
+    world = current(call)
     if _MEMBERSHIP is None or getattr(world, "epoch", None) is None:
         raise UsageError(
             f"phalanx.{call}: this world cannot re-form: it was not started by a launcher that keeps the "
@@ -272,9 +271,7 @@ def _required(call: str) -> Membership:
 
 def epoch() -> int:
     """The world's epoch: 0 until it is first re-formed (always 0 where worlds never re-form)."""
-    from . import _world
-
-    number = getattr(_world.current("epoch"), "epoch", None)
+    number = getattr(current("epoch"), "epoch", None)
     return 0 if number is None else int(number)
 
 
@@ -284,7 +281,7 @@ def declare() -> None:
     now on the launcher keeps the survivors running when a rank is lost, instead of ending the job.
     Every rank must declare; a job where some rank has not behaves as without it. UsageError where
     worlds cannot re-form."""
-    _required("declare").declare()
+    required("declare").declare()
 
 
 def recovers() -> bool:
@@ -310,6 +307,11 @@ def recoverable(exc: BaseException) -> bool:
     return isinstance(exc, (RankFailedError, CollectiveTimeoutError, WorldBrokenError))
 
 
+def rebinds() -> list[Callable[[Epoch], None]]:
+    """The :func:`on_reform` callbacks, in the order they were registered."""
+    return list(_REBINDS)
+
+
 def on_reform(callback: Callable[[Epoch], None], *, cancel: bool = False) -> None:
     """Call ``callback(epoch)`` after each re-formation, in the new world (the contract through which
     engines, samplers and the user's own objects rebind); ``cancel=True`` takes it back."""
@@ -317,43 +319,6 @@ def on_reform(callback: Callable[[Epoch], None], *, cancel: bool = False) -> Non
         _REBINDS.remove(callback)
     elif callback not in _REBINDS:
         _REBINDS.append(callback)
-
-
-def reform(reason: str | None = None) -> Epoch:
-    """Re-form the world with the ranks still alive (and replacements waiting to join); the new :class:`Epoch`.
-
-    Call it on every surviving rank after a :class:`RankFailedError` or
-    :class:`CollectiveTimeoutError` (or when :func:`grow_requested` says a
-    replacement waits). The old world is released (its handles and groups are
-    refused from now on), the launcher decides the new members, and a new world
-    forms: ranks renumbered in their old order, replacements last. Then every
-    :func:`on_reform` callback runs. Nothing of the model or optimizer moves:
-    bring the state to the joined ranks yourself (``phalanx.synchronize`` or
-    ``phalanx.broadcast_object`` from a survivor), or let ``fit(elastic=True)`` do it.
-
-    ``reason`` (default: the old world's failure) is what the launcher reports as the cause.
-
-    Raises QuorumLostError where this rank does not continue (no majority, fewer
-    than ``--min-ranks``, or declared lost), and UsageError where worlds cannot re-form.
-    """
-    from . import _world
-
-    ms = _required("reform")
-    old = _world.current("reform")
-    why = reason or old.broken or f"rank {old.rank} asked to re-form the world"
-    old.mark_broken(f"the world was re-formed after epoch {getattr(old, 'epoch', 0)}: "
-                    "this handle or group belongs to the old one")
-    ms.announce(why)  # first: the old group's peers stop waiting, and its teardown need not wait for them
-    old.release()
-    new_epoch = ms.reform(why)
-    try:
-        _world.reformed(old, new_epoch)
-    except RendezvousError as exc:  # a member of the new epoch was lost while it formed: again
-        raise RankFailedError(f"phalanx.reform: epoch {new_epoch.number} could not form ({exc}). Call "
-                              "phalanx.reform() again (fit(elastic=True) does).") from None
-    for callback in list(_REBINDS):
-        callback(new_epoch)
-    return new_epoch
 
 
 def describe_loss(exc: BaseException) -> str:

@@ -353,7 +353,7 @@ def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, tim
 
 def reformed(old: World, epoch: _epochs.Epoch) -> World:
     """The world of ``epoch``, made and installed in place of ``old`` (released already): the same
-    backend kind and settings, this process's new rank and size (:func:`phalanx._epochs.reform`)."""
+    backend kind and settings, this process's new rank and size (:func:`phalanx._reform.reform`)."""
     impl = _make_backend(old.backend.name, timeout=old.timeout, gpu_aware_mpi=None, devices=old.devices,
                          epoch=epoch)
     world = World(impl, timeout=old.timeout, check=old.checks, debug=old.debug, devices=old.devices)

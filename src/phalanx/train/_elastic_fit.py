@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import _epochs
+from .. import _epochs, _reform
 from .._collectives import allgather, broadcast
 from .._errors import InvalidArgumentError
 from ._history import History
@@ -196,7 +196,7 @@ def recover(run: Any, exc: BaseException) -> None:
     why = "admitting a replacement" if isinstance(exc, GrowRequested) else _epochs.describe_loss(exc)
     sharded = run.o.shard is not None
     inner = run.dist_opt.release() if sharded else None  # its slices' state belongs to the old split
-    epoch = _epochs.reform(why)
+    epoch = _reform.reform(why)
     rebind(run, inner)
     if sharded:
         reload(run)
