@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
+
 from . import _world
 from ._epochs import Epoch, rebinds, required
 from ._errors import RankFailedError, RendezvousError
 
-__all__ = ["reform"]
+__all__ = ["reform", "reformed"]
 
 
 def reform(reason: str | None = None) -> Epoch:
@@ -35,10 +37,24 @@ def reform(reason: str | None = None) -> Epoch:
     old.release()
     new_epoch = ms.reform(why)
     try:
-        _world.reformed(old, new_epoch)
+        reformed(old, new_epoch)
     except RendezvousError as exc:  # a member of the new epoch was lost while it formed: again
         raise RankFailedError(f"phalanx.reform: epoch {new_epoch.number} could not form ({exc}). Call "
                               "phalanx.reform() again (fit(elastic=True) does).") from None
     for callback in rebinds():
         callback(new_epoch)
     return new_epoch
+
+
+def reformed(old: _world.World, epoch: Epoch) -> _world.World:
+    """The world of ``epoch``, made and installed in place of ``old`` (released already): the same
+    backend kind and settings, this process's new rank and size (:func:`reform`)."""
+    impl = _world.make_backend(old.backend.name, timeout=old.timeout, gpu_aware_mpi=None, devices=old.devices,
+                         epoch=epoch)
+    world = _world.World(impl, timeout=old.timeout, check=old.checks, debug=old.debug, devices=old.devices)
+    world.epoch = epoch.number
+    world.retry_mismatch = old.retry_mismatch
+    _world.swap(world)
+    for hook in _world.AT_EXIT:
+        atexit.register(hook, world)
+    return world

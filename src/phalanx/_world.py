@@ -1,5 +1,8 @@
 """Initialization, identity, and the per-call agreement that guards every collective.
 
+(About 420 lines: World's agreement, failure marking and queue are one object with ``init`` that
+makes it; the re-formation of a world lives in :mod:`._reform`, the epochs in :mod:`._epochs`.)
+
 There is one :class:`World` per process, made by :func:`init`. The functions
 in this module (``rank()``, ``size()``, ...) and the collectives read it; each
 raises :class:`NotInitializedError` before ``init()``.
@@ -335,7 +338,7 @@ def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, tim
     epoch = None
     if name in ("gloo", "nccl", "torch") and _epochs.available():  # the launcher re-forms this job's worlds
         epoch = _epochs.first_epoch(seconds)
-    impl = _make_backend(name, timeout=seconds, gpu_aware_mpi=gpu_aware_mpi if gpu_aware_mpi is not None
+    impl = make_backend(name, timeout=seconds, gpu_aware_mpi=gpu_aware_mpi if gpu_aware_mpi is not None
                          else settings.gpu_aware_mpi, devices=devices, epoch=epoch)
     world = World(impl, timeout=seconds, check=settings.check if check is None else check,
                   debug=settings.debug if debug is None else debug, devices=devices)
@@ -351,21 +354,7 @@ def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, tim
     return impl
 
 
-def reformed(old: World, epoch: _epochs.Epoch) -> World:
-    """The world of ``epoch``, made and installed in place of ``old`` (released already): the same
-    backend kind and settings, this process's new rank and size (:func:`phalanx._reform.reform`)."""
-    impl = _make_backend(old.backend.name, timeout=old.timeout, gpu_aware_mpi=None, devices=old.devices,
-                         epoch=epoch)
-    world = World(impl, timeout=old.timeout, check=old.checks, debug=old.debug, devices=old.devices)
-    world.epoch = epoch.number
-    world.retry_mismatch = old.retry_mismatch
-    swap(world)
-    for hook in AT_EXIT:
-        atexit.register(hook, world)
-    return world
-
-
-def _make_backend(name: str, *, timeout: float, gpu_aware_mpi: bool | None,
+def make_backend(name: str, *, timeout: float, gpu_aware_mpi: bool | None,
                   devices: list[Any] | None, epoch: _epochs.Epoch | None = None) -> Backend:
     if name == "local":
         from .comm._local import LocalBackend

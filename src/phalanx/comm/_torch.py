@@ -23,7 +23,8 @@ import numpy as np
 
 from .._devices import rank_device
 from .._errors import BackendUnavailableError, InvalidArgumentError, UsageError
-from ._base import PeerLost, WaitTimeout
+from ._base import WaitTimeout
+from ._epoch_waits import interruptible_test, wait_interruptible
 from ._hier import build_hierarchy
 from ._shard_ops import TorchShardOps
 from ._store_queries import diagnose, node_ranks_from_store
@@ -40,8 +41,6 @@ from ._torchsetup import (
 from ._wait import poll
 
 __all__ = ["TorchBackend"]
-
-_SLICE_S = 0.25  # a world with epochs: how often a waiting rank asks whether its epoch ended
 
 class TorchBackend(TorchBuffers, TorchShardOps):
     """Backend over torch.distributed (gloo or NCCL); see the module docstring."""
@@ -193,49 +192,12 @@ class TorchBackend(TorchBuffers, TorchShardOps):
     def _wait(self, work: Any, timeout: float) -> None:
         """Wait for ``work`` at most ``timeout`` s; its failure as WaitTimeout or PeerLost."""
         if self._nccl:
-            poll(work.is_completed if self._interrupted is None else self._interruptible_test(work), timeout)
+            poll(work.is_completed if self._interrupted is None else interruptible_test(work, self._interrupted), timeout)
             work.wait()  # never blocks the host on a kernel that cannot finish: it completed
         elif self._interrupted is None:
             work.wait(timedelta(seconds=timeout))
         else:
-            self._wait_interruptible(work, timeout, self._interrupted)
-
-    def _interruptible_test(self, work: Any) -> Callable[[], bool]:
-        """nccl in a world with epochs: ``work.is_completed``, which between quarter seconds also asks
-        whether the epoch ended (then PeerLost). Untested here: no GPU runs more than one nccl rank."""
-        interrupted = self._interrupted
-        assert interrupted is not None  # internal invariant
-        next_look = [time.monotonic() + _SLICE_S]
-
-        def test() -> bool:
-            if work.is_completed():
-                return True
-            now = time.monotonic()
-            if now >= next_look[0]:
-                next_look[0] = now + _SLICE_S
-                why = interrupted()
-                if why is not None:
-                    raise PeerLost(f"the launcher ended this epoch: {why}")
-            return False
-
-        return test
-
-    def _wait_interruptible(self, work: Any, timeout: float, interrupted: Callable[[], str | None]) -> None:
-        """A world with epochs: wait in slices of a quarter second, and between them ask whether the
-        epoch ended (a peer exited or asked to re-form): then PeerLost at once, not after ``timeout``.
-        (A gloo ``Work`` whose wait timed out is still in flight: it can be waited again.)"""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                work.wait(timedelta(seconds=max(0.001, min(_SLICE_S, left))))
-                return
-            except RuntimeError as exc:
-                if left <= _SLICE_S or not isinstance(translate(exc), WaitTimeout):
-                    raise
-            why = interrupted()
-            if why is not None:
-                raise PeerLost(f"the launcher ended this epoch: {why}")
+            wait_interruptible(work, timeout, self._interrupted)
 
     @translating
     def _order(self, work: Any, timeout: float) -> None:

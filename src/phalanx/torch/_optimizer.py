@@ -1,5 +1,8 @@
 """``phalanx.torch.DistributedOptimizer``: any torch optimizer, with gradients averaged across ranks.
 
+(About 420 lines: one class, the whole optimizer API a user calls; its engine, sharding and step
+agreement live in their own modules.)
+
 ::
 
     opt = phalanx.torch.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
