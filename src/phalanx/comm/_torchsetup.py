@@ -175,6 +175,8 @@ class Rendezvous:
         elif guarded:
             self.guard = Guard.client(self.host, self.port, self.plan.key, self.timeout)
             host, port = "127.0.0.1", self.guard.port
+        elif not _await_listener(host, port, self.timeout):
+            raise self._unreachable("nothing listens there")
         try:
             store = self._store(dist, host, port, serve, options)
         except RuntimeError as exc:
@@ -389,6 +391,22 @@ def _listen(host: str, port: int) -> socket.socket:
             f"phalanx.init: rank 0 could not listen on {host}:{port} for the rendezvous ({exc}). Is "
             "MASTER_PORT free? Pick another port, or let `phalanx run` choose one.") from None
     return sock
+
+
+def _await_listener(host: str, port: int, timeout: float) -> bool:
+    """Whether something listens on ``host:port`` within ``timeout`` s. torch's store client retries its
+    whole timeout per attempt, with a pause between (about twice the timeout in all, each try printing a
+    C++ traceback); a refused plain connection is known at once, so the wait is ours and bounded."""
+    deadline, pause = time.monotonic() + timeout, 0.01
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), port), timeout=max(0.05, deadline - time.monotonic())):
+                return True
+        except OSError:
+            if time.monotonic() + pause > deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
 
 
 def _first_line(exc: BaseException) -> str:
