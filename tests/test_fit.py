@@ -16,19 +16,19 @@ from __future__ import annotations
 import pytest
 
 import worlds_fit as bodies
-from conftest import ALL_WORLDS, world_params
+from conftest import TRAINING_WORLDS, world_params
 from phalanx import InvalidArgumentError
 
 
 @pytest.mark.parametrize("behaviour", bodies.EQUIVALENCE.names)
-@pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
+@pytest.mark.parametrize("backend,n", world_params(TRAINING_WORLDS))
 def test_fit_equals_one_process(worlds, tmp_path_factory, backend: str, n: int, behaviour: str) -> None:
     worlds.check(bodies.equivalence, backend, n, behaviour, timeout=240, op_timeout=60,
                  args=(_shared_dir(tmp_path_factory, "equivalence", backend, n),))
 
 
 @pytest.mark.parametrize("behaviour", bodies.FAILURES.names)
-@pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
+@pytest.mark.parametrize("backend,n", world_params(TRAINING_WORLDS))
 def test_failures_are_decided_alike_on_every_rank(worlds, tmp_path_factory, backend: str, n: int,
                                                   behaviour: str) -> None:
     worlds.check(bodies.failures, backend, n, behaviour, timeout=240, op_timeout=60,

@@ -17,7 +17,7 @@ import time
 import pytest
 
 import worlds_groups as bodies
-from conftest import ALL_WORLDS, MULTI_WORLDS, world_params
+from conftest import MULTI_WORLDS, TRAINING_WORLDS, world_params
 from phalanx.testing import WorldFailed, run_world
 
 OP_TIMEOUT = 4.0
@@ -25,7 +25,7 @@ GRACE = 2.0 + 1.0  # the diagnosis' grace (at most 2 s) plus the second after wh
 
 
 @pytest.mark.parametrize("behaviour", bodies.GROUPS.names)
-@pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
+@pytest.mark.parametrize("backend,n", world_params(TRAINING_WORLDS))
 def test_groups(worlds, backend: str, n: int, behaviour: str) -> None:
     worlds.check(bodies.groups, backend, n, behaviour, op_timeout=20.0, timeout=120)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 
 import worlds_horovod_ops as bodies
-from conftest import world_params
+from conftest import TRAINING_WORLDS, world_params
 
 pytest.importorskip("torch")
 
-WORLDS = [("local", 1), ("mpi", 1), ("mpi", 2), ("mpi", 3), ("gloo", 1), ("gloo", 2), ("gloo", 3)]
+WORLDS = TRAINING_WORLDS
 
 
 @pytest.mark.parametrize("behaviour", bodies.OPS.names)

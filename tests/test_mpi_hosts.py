@@ -172,9 +172,12 @@ phalanx.shutdown()
 
 
 @requires_hosts
-@pytest.mark.parametrize("layout,levels", [("h0:2,h1:2", "1"), ("h0:2,h1:1", "1"), ("h0:1,h1:1", "0")],
-                         ids=["2x2-two-levels", "2+1-two-levels", "1x1-flat"])
-@pytest.mark.parametrize("venv", FLAVOURS)
+@pytest.mark.parametrize("venv,layout,levels", [
+    pytest.param(*FLAVOURS[0].values, "h0:2,h1:2", "1", id="mpich-2x2-two-levels"),
+    pytest.param(*FLAVOURS[0].values, "h0:2,h1:1", "1", id="mpich-2+1-two-levels"),
+    pytest.param(*FLAVOURS[0].values, "h0:1,h1:1", "0", id="mpich-1x1-flat"),
+    # Open MPI: the one layout with both levels and a ring of two hosts (the ring is phalanx's own code)
+    pytest.param(*FLAVOURS[1].values, "h0:2,h1:2", "1", id="openmpi-2x2-two-levels", marks=FLAVOURS[1].marks)])
 def test_the_ring_across_hosts_is_two_levels_where_a_host_holds_several_ranks(
         hosts: Any, workdir: Path, venv: Path, layout: str, levels: str) -> None:
     """Every behaviour of ``test_mpi_ring.py`` (every op and dtype against NumPy, handles in any order, the

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 
 import worlds_param_shards as bodies
-from conftest import ALL_WORLDS, world_params
+from conftest import TRAINING_WORLDS, world_params
 
 WORLD = {"timeout": 180, "op_timeout": 30}
 
 
 @pytest.mark.parametrize("behaviour", bodies.PARAMS.names)
-@pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
+@pytest.mark.parametrize("backend,n", world_params(TRAINING_WORLDS))
 def test_param_shards(worlds, backend: str, n: int, behaviour: str) -> None:
     worlds.check(bodies.param_shards, backend, n, behaviour, **WORLD)

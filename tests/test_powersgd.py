@@ -16,14 +16,14 @@ from __future__ import annotations
 import pytest
 
 import worlds_powersgd as bodies
-from conftest import ALL_WORLDS, world_params
+from conftest import TRAINING_WORLDS, world_params
 from phalanx.testing import run_world
 
 WORLD = {"timeout": 120, "op_timeout": 30}
 
 
 @pytest.mark.parametrize("behaviour", bodies.POWERSGD.names)
-@pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
+@pytest.mark.parametrize("backend,n", world_params(TRAINING_WORLDS))
 def test_powersgd(worlds, backend: str, n: int, behaviour: str) -> None:
     worlds.check(bodies.powersgd, backend, n, behaviour, **WORLD)
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 import pytest
 
 import worlds_sharding as bodies
-from conftest import ALL_WORLDS, world_params
+from conftest import TRAINING_WORLDS, world_params
 
-MULTI_RANK = [world for world in ALL_WORLDS if world[1] > 1]
+MULTI_RANK = [world for world in TRAINING_WORLDS if world[1] > 1]
 WORLD = {"timeout": 180, "op_timeout": 30}
 
 
 @pytest.mark.parametrize("behaviour", bodies.SHARDING.names)
-@pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
+@pytest.mark.parametrize("backend,n", world_params(TRAINING_WORLDS))
 def test_sharding(worlds, backend: str, n: int, behaviour: str) -> None:
     worlds.check(bodies.sharding, backend, n, behaviour, **WORLD)
 

@@ -1,4 +1,4 @@
-"""phalanx.synchronize: every kind of object on worlds of 1, 2 and 3 ranks per backend, plus the
+"""phalanx.synchronize: every kind of object on a world of one (local) and of 2 and 3 ranks per backend, plus the
 tree helpers and the single-process rules in-process.
 
 Each world runs the whole body in ``worlds_sync.synchronize_everything``: models, optimizers
@@ -18,19 +18,19 @@ import pytest
 
 import phalanx
 import worlds_sync as bodies
-from conftest import ALL_WORLDS, AVAILABLE, world_params
+from conftest import AVAILABLE, TRAINING_WORLDS, world_params
 from phalanx._tree import flatten, unflatten
 from phalanx.testing import run_world
 
 
 @pytest.mark.parametrize("behaviour", bodies.SYNC.names)
-@pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
+@pytest.mark.parametrize("backend,n", world_params(TRAINING_WORLDS))
 def test_synchronize_every_kind_of_object(worlds, backend: str, n: int, behaviour: str) -> None:
     worlds.check(bodies.synchronize_everything, backend, n, behaviour, op_timeout=30)
 
 
 @pytest.mark.parametrize("behaviour", bodies.MISMATCHES.names)
-@pytest.mark.parametrize("backend,n", world_params([w for w in ALL_WORLDS if w[1] > 1]))
+@pytest.mark.parametrize("backend,n", world_params([w for w in TRAINING_WORLDS if w[1] > 1]))
 def test_synchronize_mismatches_raise_on_every_rank(worlds, backend: str, n: int, behaviour: str) -> None:
     worlds.check(bodies.synchronize_everything, backend, n, behaviour, op_timeout=30)  # the same world
 

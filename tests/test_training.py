@@ -1,4 +1,5 @@
-"""Data-parallel training on worlds of 1, 2 and 3 ranks (mpi, gloo) equals 1 process on the whole batch.
+"""Data-parallel training on a world of one (local) and of 2 and 3 ranks (mpi, gloo) equals one process
+on the whole batch.
 
 One world per backend and size runs every variant (see ``worlds_training``):
 SGD with momentum and Adam; an MLP, a CNN and a CNN with SyncBatchNorm;
@@ -17,15 +18,15 @@ import pytest
 
 import worlds_training as bodies
 import worlds_training_faults as faults
-from conftest import ALL_WORLDS, world_params
+from conftest import TRAINING_WORLDS, world_params
 
-MULTI_RANK = [world for world in ALL_WORLDS if world[1] > 1]
+MULTI_RANK = [world for world in TRAINING_WORLDS if world[1] > 1]
 TRAINING_WORLD = {"timeout": 120, "op_timeout": 30}
 COMPILED_WORLD = {"timeout": 120, "op_timeout": 60}
 
 
 @pytest.mark.parametrize("behaviour", bodies.TRAINING.names)
-@pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
+@pytest.mark.parametrize("backend,n", world_params(TRAINING_WORLDS))
 def test_training(worlds, backend: str, n: int, behaviour: str) -> None:
     worlds.check(bodies.training, backend, n, behaviour, **TRAINING_WORLD)
 
@@ -37,7 +38,7 @@ def test_training_across_ranks(worlds, backend: str, n: int, behaviour: str) -> 
 
 
 @pytest.mark.parametrize("behaviour", faults.FAULTS.names)
-@pytest.mark.parametrize("backend,n", world_params(ALL_WORLDS))
+@pytest.mark.parametrize("backend,n", world_params(TRAINING_WORLDS))
 def test_training_faults(worlds, backend: str, n: int, behaviour: str) -> None:
     # issue 9 item 2: nonfinite="raise"/"skip" on DistributedOptimizer and DataParallel
     worlds.check(bodies.training, backend, n, behaviour, **TRAINING_WORLD)  # the training world

@@ -92,6 +92,16 @@ def _optimizers() -> dict[str, Any]:
     }
 
 
+_REFERENCE: dict[str, Any] = {}
+
+
+def _one_process(name: str) -> Any:
+    """The one-process run of optimizer ``name`` (trained once, compared with both shardings)."""
+    if name not in _REFERENCE:
+        _REFERENCE[name] = _train(_optimizers()[name](), STEPS, None, 1)
+    return _REFERENCE[name]
+
+
 def _equal_to_one_process(name: str, shard: str) -> Any:
     def check(r: int, n: int) -> None:
         import jax
@@ -99,7 +109,7 @@ def _equal_to_one_process(name: str, shard: str) -> Any:
         import phalanx.jax as px
 
         make = _optimizers()[name]
-        want, want_state = _train(make(), STEPS, None, 1)
+        want, want_state = _one_process(name)
         tx = px.DistributedOptimizer(make(), shard=shard)
         got, state = _train(tx, STEPS, r, n)
         _close(got, want, "parameters")
