@@ -25,7 +25,7 @@ GRACE = 2.0 + 1.0  # the diagnosis' grace (at most 2 s) plus the second after wh
 
 
 @pytest.mark.parametrize("behaviour", bodies.GROUPS.names)
-@pytest.mark.parametrize("backend,n", world_params(TRAINING_WORLDS))
+@pytest.mark.parametrize("backend,n", world_params(TRAINING_WORLDS + [("mpi", 3)]))  # MPI builds its own groups
 def test_groups(worlds, backend: str, n: int, behaviour: str) -> None:
     worlds.check(bodies.groups, backend, n, behaviour, op_timeout=20.0, timeout=120)
 

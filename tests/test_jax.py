@@ -33,7 +33,7 @@ import worlds_jax as bodies  # noqa: E402
 from conftest import MULTI_WORLDS, world_params  # noqa: E402
 from phalanx.testing import WorldFailed, run_world  # noqa: E402
 
-JAX_WORLDS = [("mpi", 1), ("mpi", 2), ("mpi", 3), ("gloo", 2), ("gloo", 3)]  # one rank: the mpi world
+JAX_WORLDS = [("mpi", 1), ("mpi", 2), ("mpi", 3), ("gloo", 2)]  # mpi, the JAX user's transport, at every size
 # XLA compiles the same reference steps in every world: a compilation cache shared by this session's
 # worlds (steps with host callbacks are never cached, so the distributed ones still compile).
 CACHE = tempfile.mkdtemp(prefix="phalanx-jax-cache-")
