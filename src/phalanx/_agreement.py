@@ -19,18 +19,28 @@ import hashlib
 import json
 import sys
 import threading
+import zlib
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from ._errors import CollectiveMismatchError, CollectiveTimeoutError, RankFailedError
-from .comm._base import Backend
+from .comm._base import OPS, Backend
 
 __all__ = ["MASK", "agree", "call_site", "diagnose", "first_difference", "mismatch_error", "timeout_error",
            "where"]
 
 MASK = (1 << 62) - 1
 """Signatures are 62-bit: a signature and its negation both fit in an int64 (``Backend.agree``)."""
+
+# Collective codes in fingerprints (and names in messages).
+CALLS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "reduce_scatter", "alltoall",
+         "barrier", "iallreduce", "ibroadcast", "broadcast_object", "allgather_object", "shutdown",
+         # the gradient engine's step agreements (phalanx.torch, check_steps)
+         "torch.DistributedOptimizer", "torch.DistributedOptimizer.step", "torch.DataParallel",
+         "new_group", "destroy_group", "horovod.torch.DistributedOptimizer", "split_group")
+CALL_CODES = {name: i for i, name in enumerate(CALLS)}
+OP_CODES = {name: i for i, name in enumerate(OPS)}
 
 DIAGNOSIS_SLACK_S = 1.0  # on top of the grace: a diagnosis that takes longer is abandoned
 
@@ -50,6 +60,39 @@ _HINTS = {
             "calls are out of order on some rank.",
     "index": "Ranks have made a different number of collective calls so far.",
 }
+
+
+def fingerprint(call: str, buf: Any, op: str | None, root: int, step: int | None, debug: bool) -> int:
+    """The 62-bit signature the ranks agree on before a collective moves data: the call, op and root,
+    the buffer's dtype code and shape, the step label, and in debug mode the caller's line."""
+    # Codes, not names: str hashes are salted per process, ints and tuples of ints are not.
+    key: tuple[Any, ...] = (CALL_CODES[call], OP_CODES[op] if op else -1, root)
+    if buf is not None:
+        key += (buf.code, buf.shape)
+    if step is not None:
+        key += (-2, step)  # a marker, so a step never looks like a buffer's fields (not None: its
+        # hash is its address before Python 3.12, different in every process)
+    signature = hash(key)
+    if debug:
+        signature ^= zlib.crc32(call_site().encode()) << 20
+    return signature & MASK
+
+
+def describe_call(call: str, index: int, buf: Any, op: str | None, root: int, step: int | None,
+                  debug: bool) -> dict[str, Any]:
+    """What a rank says of its call when the fingerprints differ (JSON, exchanged on a mismatch)."""
+    entry: dict[str, Any] = {"call": call, "index": index}
+    if buf is not None:
+        entry["buffer"] = buf.describe()
+    if op:
+        entry["op"] = op
+    if root >= 0:
+        entry["root"] = root
+    if step is not None:
+        entry["step"] = step
+    if debug:
+        entry["site"] = call_site()
+    return entry
 
 
 def call_site() -> str:

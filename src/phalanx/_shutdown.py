@@ -13,9 +13,9 @@ import atexit
 import warnings
 from typing import Any
 
-from ._agreement import MASK, where
+from ._agreement import fingerprint, where
 from ._errors import PhalanxError
-from ._world import AT_EXIT, CALL_CODES, World, current_or_none, swap
+from ._world import AT_EXIT, World, current_or_none, swap
 
 __all__ = ["shutdown", "shutdown_at_exit"]
 
@@ -63,8 +63,8 @@ def _leave(world: World) -> list[dict[str, Any]] | None:
     rank's description (the peers then raise RankFailedError naming this rank)."""
     world.calls += 1
     with world.guard("shutdown"):
-        # Not signature(): in debug mode that adds the call site, and ranks may shut down anywhere.
-        if world.backend.agree(hash((CALL_CODES["shutdown"], -1, -1)) & MASK, world.timeout):
+        # debug=False: in debug mode the call site joins the fingerprint, and ranks may shut down anywhere.
+        if world.backend.agree(fingerprint("shutdown", None, None, -1, None, False), world.timeout):
             return None
     return world.allgather_json("shutdown", world.describe("shutdown", None, None, -1))
 

@@ -1,7 +1,8 @@
 """Initialization, identity, and the per-call agreement that guards every collective.
 
-(About 420 lines: World's agreement, failure marking and queue are one object with ``init`` that
-makes it; the re-formation of a world lives in :mod:`._reform`, the epochs in :mod:`._epochs`.)
+(World's agreement, failure marking and queue are one object with ``init`` that makes it; a call's
+fingerprint and description are :mod:`._agreement`'s, the re-formation of a world lives in
+:mod:`._reform`, the epochs in :mod:`._epochs`.)
 
 There is one :class:`World` per process, made by :func:`init`. The functions
 in this module (``rank()``, ``size()``, ...) and the collectives read it; each
@@ -23,14 +24,13 @@ from __future__ import annotations
 
 import atexit
 import math
-import zlib
 from collections import deque
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Literal, Protocol, cast
 
 from . import _current, _epochs, _trace
-from ._agreement import MASK, call_site, mismatch_error, timeout_error
+from ._agreement import CALL_CODES, MASK, OP_CODES, describe_call, fingerprint, mismatch_error, timeout_error
 from ._arrays import Buffer
 from ._devices import rank_device
 from ._errors import (
@@ -44,7 +44,7 @@ from ._errors import (
 )
 from ._failure import install_abort_hook, mark_rank
 from ._settings import settings
-from .comm._base import OPS, Backend, PeerLost, Request, WaitTimeout
+from .comm._base import Backend, PeerLost, Request, WaitTimeout
 from .comm._detect import BACKENDS, BackendName, detect_backend
 
 __all__ = [
@@ -52,14 +52,6 @@ __all__ = [
     "local_size", "rank", "size", "swap",
 ]
 
-# Collective codes in fingerprints (and names in messages).
-CALLS = ("allreduce", "broadcast", "reduce", "allgather", "gather", "reduce_scatter", "alltoall",
-         "barrier", "iallreduce", "ibroadcast", "broadcast_object", "allgather_object", "shutdown",
-         # the gradient engine's step agreements (phalanx.torch, check_steps)
-         "torch.DistributedOptimizer", "torch.DistributedOptimizer.step", "torch.DataParallel",
-         "new_group", "destroy_group", "horovod.torch.DistributedOptimizer", "split_group")
-CALL_CODES = {name: i for i, name in enumerate(CALLS)}
-OP_CODES = {name: i for i, name in enumerate(OPS)}
 
 
 class _Guard:
@@ -151,7 +143,7 @@ class World:
                 return self.backend.iagree(self.signature(call, buf, op, root, step))
         if buf is None or self.debug or step is not None:
             signature = self.signature(call, buf, op, root, step)
-        else:  # signature() inlined: this is every checked call's hot path
+        else:  # fingerprint() inlined: this is every checked call's hot path
             # Not _agreement.agree (JSON, blake2b, a detail to gather): that costs microseconds per
             # call, which a structure check made once can pay and every collective cannot.
             signature = hash((CALL_CODES[call], OP_CODES[op] if op else -1, root, buf.code,
@@ -167,32 +159,11 @@ class World:
 
     def signature(self, call: str, buf: Buffer | None, op: str | None, root: int,
                   step: int | None = None) -> int:
-        # Codes, not names: str hashes are salted per process, ints and tuples of ints are not.
-        key: tuple[Any, ...] = (CALL_CODES[call], OP_CODES[op] if op else -1, root)
-        if buf is not None:
-            key += (buf.code, buf.shape)
-        if step is not None:
-            key += (-2, step)  # a marker, so a step never looks like a buffer's fields (not None: its
-            # hash is its address before Python 3.12, different in every process)
-        signature = hash(key)
-        if self.debug:
-            signature ^= zlib.crc32(call_site().encode()) << 20
-        return signature & MASK
+        return fingerprint(call, buf, op, root, step, self.debug)
 
     def describe(self, call: str, buf: Buffer | None, op: str | None, root: int,
                  step: int | None = None) -> dict[str, Any]:
-        entry: dict[str, Any] = {"call": call, "index": self.calls}
-        if buf is not None:
-            entry["buffer"] = buf.describe()
-        if op:
-            entry["op"] = op
-        if root >= 0:
-            entry["root"] = root
-        if step is not None:
-            entry["step"] = step
-        if self.debug:
-            entry["site"] = call_site()
-        return entry
+        return describe_call(call, self.calls, buf, op, root, step, self.debug)
 
     def explain_mismatch(self, call: str, buf: Buffer | None, op: str | None, root: int,
                          step: int | None = None, *, retry: bool = False) -> None:

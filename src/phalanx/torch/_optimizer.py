@@ -1,7 +1,7 @@
 """``phalanx.torch.DistributedOptimizer``: any torch optimizer, with gradients averaged across ranks.
 
-(About 420 lines: one class, the whole optimizer API a user calls; its engine, sharding and step
-agreement live in their own modules.)
+(One class, the whole optimizer API a user calls; its engine, sharding, step agreement and what it
+shares with the wrapped optimizer live in their own modules.)
 
 ::
 
@@ -34,13 +34,14 @@ from ._engine_owner import EngineOwner
 from ._finite import NonFinitePolicy, check_policy
 from ._shard_plan import check_elementwise
 from ._sharded import Sharding, check_shard
+from ._wrapped import SharedWithWrapped
 
 __all__ = ["DistributedOptimizer"]
 
 _CALL = "torch.DistributedOptimizer"
 
 
-class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
+class DistributedOptimizer(EngineOwner, SharedWithWrapped, torch.optim.Optimizer):
     """``optimizer``, with gradients averaged across ranks while backward runs, before every ``step()``.
 
     ::
@@ -184,44 +185,9 @@ class DistributedOptimizer(EngineOwner, torch.optim.Optimizer):
             self._step_supports_amp_scaling = True  # GradScaler calls step() and tells it found_inf
         self._reduced_at_step = self._engine.reductions
 
-    # -- shared with the wrapped optimizer ---------------------------------------
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
-
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
         return f"DistributedOptimizer({self.optimizer!r}, {options}, backward_passes_per_step={self._passes})"
-
-    def __getattr__(self, name: str) -> Any:
-        """Only for names not found: a hint where a Horovod user expects ``synchronize()``."""
-        if name in ("synchronize", "skip_synchronize"):
-            raise AttributeError(
-                f"phalanx.{_CALL} has no {name}(): the gradients are already averaged when backward() "
-                "returns, so call opt.step() directly; to accumulate without reducing, use "
-                "`with opt.no_sync():` (or backward_passes_per_step=k). Horovod's API, synchronize() "
-                "included, is phalanx.horovod.torch.DistributedOptimizer.")
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- setup ------------------------------------------------------------------
     def _all_params(self) -> list[torch.Tensor]:
