@@ -1,7 +1,8 @@
 """A training script for tests/test_recovery.py: ``fit(elastic=True)`` on an MLP with Adam in float64.
 
 Run alone (``python program_recovery.py``: a world of one, the uninterrupted reference) or under
-``phalanx run``. ``KILLS`` (JSON ``[[step, rank, signal], ...]``) makes the process that is rank
+``phalanx run`` (each setting below may also be given as ``PHALANX_TEST_<NAME>``, which ``--hosts``
+forwards). ``KILLS`` (JSON ``[[step, rank, signal], ...]``) makes the process that is rank
 ``rank`` when it computes the loss of step ``step`` (with ``FULL``: of the first step from ``step`` on
 at which the world has ``FULL`` ranks again; steps on fewer ranks then take 0.1 s more) send itself ``signal`` (9: SIGKILL, 19: SIGSTOP), once per entry (a mark file in ``MARKS`` says it happened, and when). Every process appends
 ``step time rank size epoch`` per loss to ``MARKS/steps-<pid>`` and writes ``MARKS/final-<pid>.pt``
@@ -26,9 +27,15 @@ g = torch.Generator().manual_seed(1)
 X, Y = torch.randn(480, 16, generator=g), torch.randn(480, 4, generator=g)
 model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-KILLS = json.loads(os.environ.get("KILLS", "[]"))
-FULL = int(os.environ.get("FULL", "0"))
-MARKS = os.environ["MARKS"]
+def setting(name: str, default: str | None = None) -> str | None:
+    """``NAME``, else ``PHALANX_TEST_NAME`` (what ``phalanx run --hosts`` forwards to every host)."""
+    return os.environ.get(name, os.environ.get(f"PHALANX_TEST_{name}", default))
+
+
+KILLS = json.loads(setting("KILLS", "[]"))
+FULL = int(setting("FULL", "0"))
+MARKS = setting("MARKS")
+assert MARKS, "MARKS (or PHALANX_TEST_MARKS) names the folder this program writes its marks to"
 steps_log = open(os.path.join(MARKS, f"steps-{os.getpid()}"), "a")
 
 
@@ -50,10 +57,10 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out, y)
 
 
-SHARD = os.environ.get("SHARD") or None  # "gradients": reloads its last checkpoint (CKPT) in process
-history = fit(model, loss_fn, opt, (X, Y), global_batch_size=24, steps=int(os.environ.get("STEPS", "300")),
+SHARD = setting("SHARD") or None  # "gradients": reloads its last checkpoint (CKPT) in process
+history = fit(model, loss_fn, opt, (X, Y), global_batch_size=24, steps=int(setting("STEPS", "300")),
               elastic=True, progress=False, log_every=50, shard=SHARD,  # type: ignore[arg-type]
-              checkpoint_dir=os.environ.get("CKPT") or None, checkpoint_every=int(os.environ.get("CKPT_EVERY", "0")) or None)
+              checkpoint_dir=setting("CKPT") or None, checkpoint_every=int(setting("CKPT_EVERY", "0")) or None)
 torch.save(torch.cat([p.detach().flatten() for p in model.parameters()]), os.path.join(MARKS, f"final-{os.getpid()}.pt"))
 with open(os.path.join(MARKS, f"done-{os.getpid()}.json"), "w") as f:
     json.dump({"rank": phalanx.rank(), "size": phalanx.size(), "epoch": phalanx.epoch(),

@@ -105,17 +105,19 @@ class Membership:
                 return None
             return bytes(self.store.get(key)).decode()
         except RuntimeError as exc:
-            raise RankFailedError(
+            raise QuorumLostError(
                 f"phalanx: rank lost the launcher's rendezvous store at {self.where} ({exc}). The launcher "
                 "(`phalanx run` on the first host) serves it for the whole job: it has ended, or this host "
-                "was cut off from it. This rank cannot continue.") from None
+                "was cut off from it (a network partition). This rank cannot continue; the others go on "
+                "without it where they hold a majority.") from None
 
     def _set(self, key: str, value: str) -> None:
         try:
             self.store.set(key, value)
         except RuntimeError as exc:
-            raise RankFailedError(f"phalanx: rank could not write to the launcher's rendezvous store at "
-                                  f"{self.where} ({exc}); the launcher has ended or this host was cut off.") from None
+            raise QuorumLostError(f"phalanx: rank could not write to the launcher's rendezvous store at "
+                                  f"{self.where} ({exc}); the launcher has ended or this host was cut off from "
+                                  "it (a network partition). This rank cannot continue.") from None
 
     def interrupted(self) -> str | None:
         """Why the current epoch ended, once the launcher (or a peer) marked it broken; else None."""

@@ -34,8 +34,9 @@ class StoreServer:
         self.store = None
 
 
-def serve(port: int, secret: str) -> StoreServer:
-    """Serve the job's store at ``127.0.0.1:port`` behind a guard proving ``secret``; OSError when a bind fails."""
+def serve(port: int, secret: str, address: str = "127.0.0.1") -> StoreServer:
+    """Serve the job's store at ``address:port`` (loopback unless the ranks are on several hosts) behind a
+    guard proving ``secret``; OSError when a bind fails. The store itself listens on loopback only."""
     import torch.distributed as dist
 
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -45,7 +46,7 @@ def serve(port: int, secret: str) -> StoreServer:
     inner = listener.getsockname()[1]
     store = dist.TCPStore("127.0.0.1", inner, None, True, timedelta(seconds=60), wait_for_workers=False,
                           master_listen_fd=listener.detach())
-    guard = Guard.serve(["127.0.0.1"], port, inner, secret.encode())
+    guard = Guard.serve([address], port, inner, secret.encode())
     return StoreServer(store, guard, port)
 
 

@@ -51,6 +51,7 @@ class Guard:
         self.family = socket.AF_INET
         self.where = ""
         self.until = 0.0
+        self.silence_s = 0.0
         self.refusal: str | None = None     # a client whose handshake failed: why (kept for good)
         self.unreachable: str | None = None  # why the last connection to rank 0's guard failed
         self.refusals = 0
@@ -89,6 +90,7 @@ class Guard:
         guard = cls(key, serving=False)
         family, _, _, _, guard.upstream = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
         guard.family, guard.where, guard.until = family, f"{host}:{port}", time.monotonic() + connect_s
+        guard.silence_s = connect_s  # the rank's timeout: a peer silent that long is lost
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         guard._listeners.append(sock)
         sock.bind(("127.0.0.1", 0))

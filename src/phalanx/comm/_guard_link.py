@@ -69,6 +69,7 @@ class Owner(Protocol):
     family: socket.AddressFamily
     where: str             # client: rank 0's guard as ``host:port``, for messages
     until: float           # client: monotonic deadline of the rendezvous
+    silence_s: float       # client: a connection whose sent bytes go unacknowledged this long is dropped
     refusal: str | None
     unreachable: str | None
 
@@ -208,6 +209,9 @@ class Link:
         self.tries += 1
         self.b = socket.socket(self.guard.family, socket.SOCK_STREAM)
         _quick(self.b)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux: a peer behind a partition fails the store's call,
+            # as a closed connection would, instead of leaving it to wait on TCP's retransmissions (minutes)
+            self.b.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1000, int(self.guard.silence_s * 1000)))
         self.state = "connect"
         code = self.b.connect_ex(self.guard.upstream)
         if code not in (0, errno.EINPROGRESS, errno.EWOULDBLOCK):

@@ -44,9 +44,10 @@ from typing import Any
 
 from .._epochs import ELASTIC_ENV, JOINING_ENV, MEMBER_ENV
 from ._job import Launch, notice
+from ._jobdir import any_record
 from ._procs import signal_name
 
-__all__ = ["Coordinator", "wants_epochs"]
+__all__ = ["Coordinator", "kill_member", "wants_epochs"]
 
 _GRACE_AFTER_TIMEOUT = 5.0  # seconds beyond the ranks' timeout before a silent member counts as stalled
 
@@ -67,19 +68,27 @@ class _Member:
 
 @dataclass
 class _Reform:
-    """A re-forming in progress: since when, and the members known gone (id -> how)."""
+    """A re-forming in progress: since when, the members known gone (id -> how), and those of them
+    not seen to exit (a stalled rank on another host, which may only be cut off)."""
 
     since: float
     gone: dict[int, str] = field(default_factory=dict)
+    unseen: set[int] = field(default_factory=set)
 
 
 class Coordinator:
     """Serves the store and decides the epochs of one job's ranks (see the module notes)."""
 
-    def __init__(self, job: Launch, port: int, secret: str, timeout: float) -> None:
+    def __init__(self, job: Launch, port: int, secret: str, timeout: float, address: str = "127.0.0.1",
+                 stop: Callable[[_Member], bool] | None = None) -> None:
+        """``address``: where the ranks reach the store (loopback on one host); ``stop(member)`` kills a
+        stalled member and says whether it is gone for certain (default: this host's process, waited for)."""
         from ..comm._epoch_store import serve
 
-        self.server = serve(port, secret)
+        self.address = address
+        self.stop = stop or _kill_here
+        self._respawn: Callable[[int, dict[str, str]], int] | None = None
+        self.server = serve(port, secret, address)
         self.store = self.server.store
         self.n, self.timeout = job.n, timeout
         restarts = int(job.env.get("PHALANX_RESTART_COUNT", "0") or 0)  # whole restarts so far (._elastic)
@@ -103,7 +112,7 @@ class Coordinator:
     # -- what the ranks get ----------------------------------------------------------
     def env(self, slot: int, member: int | None = None) -> dict[str, str]:
         """The environment a rank of slot ``slot`` gets (``member``: a replacement's new id)."""
-        out = {ELASTIC_ENV: f"127.0.0.1:{self.server.port}", MEMBER_ENV: str(slot if member is None else member),
+        out = {ELASTIC_ENV: f"{self.address}:{self.server.port}", MEMBER_ENV: str(slot if member is None else member),
                "PHALANX_MIN_RANKS": str(self.min_ranks)}
         if member is not None:
             out[JOINING_ENV] = "1"
@@ -117,6 +126,10 @@ class Coordinator:
     def close(self) -> None:
         self.server.close()
 
+    def failing(self, job_dir: str) -> bool:
+        """Whether a rank's record ends the job: any record (a raised exception is the script's)."""
+        return any_record(job_dir)
+
     # -- every poll ------------------------------------------------------------------------
     def tick(self, deaths: dict[int, Any], respawn: Callable[[int, dict[str, str]], int]) -> list[int]:
         """Look at the ranks' ends (``deaths``: slot -> Death, of the processes now at each slot) and the
@@ -124,6 +137,7 @@ class Coordinator:
         ``respawn(slot, env)`` starts a replacement at ``slot`` and returns its pid."""
         if self.ended:
             return []
+        self._respawn = respawn
         absorbed: list[int] = []
         by_slot = {m.slot: m for m in self.members.values()}
         elastic = self._all_declared()
@@ -163,7 +177,8 @@ class Coordinator:
         self.next_id += 1
         pid = respawn(slot, self.env(slot, new))
         self.started(slot, pid, new)
-        notice(f"started a replacement for slot {slot} (pid {pid}; {self.restarts_left} more allowed by "
+        where = f"pid {pid}; " if pid else ""  # 0: on another host (its launcher said where)
+        notice(f"started a replacement for slot {slot} ({where}{self.restarts_left} more allowed by "
                "--max-restarts); it joins at the survivors' next step boundary.")
 
     def _finishing(self) -> None:
@@ -173,6 +188,10 @@ class Coordinator:
             for m in self.members.values():
                 if not m.admitted:
                     self.store.set(f"elastic/admit/{m.id}", "-1")
+
+    def in_place(self) -> bool:
+        """Whether the job now re-forms in place: every member of the epoch declared it, and no verdict ended it."""
+        return not self.ended and self._all_declared()
 
     def _all_declared(self) -> bool:
         for m in self.current:
@@ -211,10 +230,14 @@ class Coordinator:
             return
         for m in pending:  # stalled past the timeout: gone for certain before the others go on
             member = self.members.pop(m, None)
-            if member is not None:
-                _kill(member.pid)
-                self.killed[member.slot] = m
-            gone[m] = "did not check in within the timeout (stalled), and was killed"
+            if member is not None and self.stop(member):
+                self.killed[member.slot] = m  # replaced once its exit is seen
+                gone[m] = "did not check in within the timeout (stalled), and was killed"
+            else:
+                gone[m] = "did not check in within the timeout (stalled, or cut off from the launcher)"
+                self.reform.unseen.add(m)
+                if member is not None and self._respawn is not None:
+                    self._replace(member.slot, self._respawn)
         self._form([m for m in checked if m not in gone], gone)
 
     def _offer_joiners(self) -> None:
@@ -232,7 +255,8 @@ class Coordinator:
 
     def _form(self, survivors: list[int], gone: dict[int, str]) -> None:
         last = self.current
-        seen_exit = True  # one host: this launcher saw (or made) every missing member's exit
+        assert self.reform is not None  # internal invariant: _form ends a re-forming
+        seen_exit = not (self.reform.unseen & set(gone))  # this launcher saw (or made) every missing exit
         majority = 2 * len(survivors) > len(last)
         joiners = self._waiting()
         members = survivors + joiners
@@ -271,7 +295,12 @@ def _how(code: int | None) -> str:
     return f"was killed by {signal_name(-code)}" if code < 0 else f"exited with status {code}"
 
 
-def _kill(pid: int, wait: float = 2.0) -> None:
+def _kill_here(member: _Member) -> bool:
+    kill_member(member.pid)
+    return True
+
+
+def kill_member(pid: int, wait: float = 2.0) -> None:
     """SIGKILL ``pid``'s group (its own session: the rank and what it started) and wait, at most ``wait``
     seconds, until it has exited (a zombie, left for the spawner to reap, or gone)."""
     try:

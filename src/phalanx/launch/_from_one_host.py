@@ -50,10 +50,12 @@ from typing import IO, Any
 
 from .._errors import LaunchError
 from .._net import is_local_address
+from ._epochs import wants_epochs
+from ._epochs_hosts import InPlace
+from ._hosts_report import describe_status, report
 from ._job import GRACE, Launch, Signals
 from ._on_each_host import MARK, check_nodes, run_node
-from ._procs import child_setup, signal_name, stop_groups
-from ._report import earliest
+from ._procs import child_setup, stop_groups
 from ._spawn import run_spawn
 
 __all__ = ["FORWARDED", "remote_command", "run_hosts", "torch_runner"]
@@ -78,6 +80,7 @@ class _Remote:
     ended: float | None = None  # time.time() when the driver saw it exit
     outcome: dict[str, Any] | None = None
     started: bool = False  # it has spoken to the driver (so the rsh did start it)
+    absorbed: bool = False  # it ended, and the job goes on without it (in place)
     tail: list[str] = field(default_factory=list)  # its last stderr lines (a launcher that could not start)
     readers: list[threading.Thread] = field(default_factory=list)
 
@@ -147,28 +150,54 @@ def _plan(job: Launch) -> list[tuple[str, list[int]]]:
     return [(name, ranks) for name, ranks in plan if ranks]
 
 
-def _start(job: Launch, plan: list[tuple[str, list[int]]], secret: str) -> list[_Remote]:
+def _start(job: Launch, plan: list[tuple[str, list[int]]], secret: str,
+           elastic: dict[str, Any] | None = None) -> list[_Remote]:
     """Start every per-host launcher and hand each its job on stdin; all or none started."""
-    cwd, setup, remotes = os.getcwd(), child_setup(), []
-    spec = {k: v for k, v in asdict(job).items() if k in _REMOTE_FIELDS}
+    remotes: list[_Remote] = []
     try:
         for index, (host, ranks) in enumerate(plan):
-            argv = remote_command(getattr(job, "rsh", None), host, cwd)
-            try:
-                proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        cwd=cwd, start_new_session=True, preexec_fn=setup)
-            except OSError as exc:
-                raise LaunchError(f"phalanx run --hosts: cannot start {argv[0]!r} to reach host {host} "
-                                  f"({exc.strerror or exc}); install ssh or give --rsh CMD.") from None
-            remotes.append(_Remote(host, ranks, proc))
             master = job.master if job.master else (None if index == 0 else "wait")
-            remotes[-1].send(job=dict(spec, n=len(ranks)), ranks=ranks, world_size=job.n, nnodes=len(plan),
-                             node_rank=index, secret=secret, env=_forwarded(), master=master, host=host,
-                             peer=plan[1][0] if index == 0 and len(plan) > 1 else None)
+            remotes.append(_launch(job, host, ranks, secret, master, index, len(plan), elastic,
+                                   peer=plan[1][0] if index == 0 and len(plan) > 1 else None))
     except BaseException:
         _end(remotes, 0.0)
         raise
     return remotes
+
+
+def _launch(job: Launch, host: str, ranks: list[int], secret: str, master: str | None, index: int, nnodes: int,
+            elastic: dict[str, Any] | None, peer: str | None = None) -> _Remote:
+    """One per-host launcher on ``host`` for ``ranks``, its job sent on its stdin."""
+    argv = remote_command(getattr(job, "rsh", None), host, os.getcwd())
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                cwd=os.getcwd(), start_new_session=True, preexec_fn=child_setup())
+    except OSError as exc:
+        raise LaunchError(f"phalanx run --hosts: cannot start {argv[0]!r} to reach host {host} "
+                          f"({exc.strerror or exc}); install ssh or give --rsh CMD.") from None
+    remote = _Remote(host, ranks, proc)
+    spec = {k: v for k, v in asdict(job).items() if k in _REMOTE_FIELDS}
+    remote.send(job=dict(spec, n=len(ranks)), ranks=ranks, world_size=job.n, nnodes=nnodes, node_rank=index,
+                secret=secret, env=_forwarded(), master=master, host=host, peer=peer, elastic=elastic)
+    return remote
+
+
+def _in_place(job: Launch, plan: list[tuple[str, list[int]]], secret: str,
+              start: Callable[[str, int, int, dict[str, Any]], _Remote]) -> InPlace | None:
+    """The coordinator of a job that may re-form in place across hosts (gloo/nccl with --max-restarts or
+    --min-ranks), its store on this machine's address toward the hosts; None for any other job."""
+    if not wants_epochs(job):
+        return None
+    from .._net import interface_address, route_source
+    from ._hostlist import as_hosts
+
+    address = interface_address(job.iface) if job.iface else None
+    for host, _ in plan:
+        if address is None and not _is_here(host):
+            with contextlib.suppress(OSError):
+                address = route_source(host, 9)
+    hosts = [(h.name, h.slots) for h in as_hosts(job.hosts) or []]
+    return InPlace(job, secret, address or "127.0.0.1", hosts, start)
 
 
 def _relay(remote: _Remote, messages: queue.Queue[tuple[_Remote, dict[str, Any]]]) -> None:
@@ -213,39 +242,74 @@ def run_hosts(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) 
     launcher cannot be started here (no ssh, a bad ``--rsh``).
     """
     plan = _plan(job)
-    start = time.time()
-    remotes = _start(job, plan, secrets.token_hex(32))
+    start, secret = time.time(), secrets.token_hex(32)
     messages: queue.Queue[tuple[_Remote, dict[str, Any]]] = queue.Queue()
-    for remote in remotes:  # after the last fork: preexec_fn and running threads do not mix
+    remotes: list[_Remote] = []
+    master: dict[str, str] = {}  # node 0's rendezvous, once it chose it (for replacements)
+
+    def replacement(host: str, slot: int, member: int, elastic: dict[str, Any]) -> _Remote:
+        remote = _launch(job, host, [slot], secret, job.master or master.get("at"), len(plan), len(plan), elastic)
+        remotes.append(remote)
         _relay(remote, messages)
+        return remote
+
+    in_place = _in_place(job, plan, secret, replacement)
     try:
-        failed = _supervise(remotes, messages, signals, waiting=job.master is None,
-                            start_by=time.monotonic() + (job.start_timeout or float("inf")))
+        remotes.extend(_start(job, plan, secret, in_place.config() if in_place is not None else None))
+        for remote in remotes:  # after the last fork: preexec_fn and running threads do not mix
+            _relay(remote, messages)
+        try:
+            failed = _supervise(remotes, messages, signals, waiting=job.master is None,
+                                start_by=time.monotonic() + (job.start_timeout or float("inf")), in_place=in_place,
+                                master=master)
+        finally:
+            _stop(remotes, signals, job.stop_grace or 0.0)
+            for remote in remotes:
+                for thread in remote.readers:
+                    thread.join(timeout=2)
+            _drain(messages)
     finally:
-        _stop(remotes, signals, job.stop_grace or 0.0)
-        for remote in remotes:
-            for thread in remote.readers:
-                thread.join(timeout=2)
-        _drain(messages)
+        if in_place is not None:
+            in_place.close()
     if signals.received:
         return signals.exit_code
     if not failed:
         return 0
-    return _report(remotes, start)
+    if in_place is not None and in_place.failure is not None:  # a rank's end the job did not absorb
+        told = in_place.failure
+        for remote in remotes:
+            if remote.host == told["host"] and told["slot"] in remote.ranks:
+                remote.outcome = {"rank": told["slot"], "time": told["time"], "type": told["type"],
+                                  "message": told["message"] or describe_status(told["code"]), "code": told["code"]}
+                remote.absorbed = False
+    return report(remotes, start)
 
 
 def _supervise(remotes: list[_Remote], messages: queue.Queue[tuple[_Remote, dict[str, Any]]],
-               signals: Signals, waiting: bool, start_by: float = float("inf")) -> bool:
+               signals: Signals, waiting: bool, start_by: float = float("inf"), in_place: InPlace | None = None,
+               master: dict[str, str] | None = None) -> bool:
     """Wait for the job's end (True: a host failed); hand node 0's master to the others on the way.
     A per-host launcher that has not spoken by ``start_by`` (a hung ssh, a host that never answers)
-    fails the job: the start timeout bounds the start across hosts too."""
+    fails the job: the start timeout bounds the start across hosts too. ``in_place``: the job may
+    go on without a rank or a host (:mod:`._epochs_hosts`)."""
     while True:
         for remote, message in _drain(messages):
-            if waiting and "master" in message and remote is remotes[0]:
-                for other in remotes[1:]:
-                    other.send(master=message["master"])
-                waiting = False
-        codes = [r.poll() for r in remotes]
+            if "master" in message and remote is remotes[0]:
+                if master is not None:
+                    master["at"] = message["master"]
+                if waiting:
+                    for other in remotes[1:]:
+                        other.send(master=message["master"])
+                    waiting = False
+            if in_place is not None:
+                in_place.message(remote, message)
+        if in_place is not None and in_place.tick(remotes):
+            return True
+        for remote in remotes:
+            if not remote.absorbed and remote.poll() not in (None, 0) and in_place is not None \
+                    and _goes_on_without(remote, in_place):
+                remote.absorbed = True
+        codes = [r.poll() for r in remotes if not r.absorbed]
         if any(c not in (None, 0) for c in codes):
             return True
         if signals.received or all(c == 0 for c in codes):
@@ -258,6 +322,18 @@ def _supervise(remotes: list[_Remote], messages: queue.Queue[tuple[_Remote, dict
                                 "once.\n").encode())
             return True
         time.sleep(POLL)
+
+
+def _goes_on_without(remote: _Remote, in_place: InPlace) -> bool:
+    """Whether the job, in place, goes on after ``remote`` ended non-zero: none of its ranks is still in
+    the job, or it ended without naming a rank's own error (its host or the connection to it was lost:
+    its ranks then count as stalled, and the coordinator decides)."""
+    if not in_place.said_in_place:
+        return False
+    if in_place.absorbs(remote):
+        return True
+    outcome = remote.outcome or {}
+    return outcome.get("rank") is None and not outcome.get("message")
 
 
 def _drain(messages: queue.Queue[tuple[_Remote, dict[str, Any]]]) -> list[tuple[_Remote, dict[str, Any]]]:
@@ -308,63 +384,3 @@ def _end(remotes: list[_Remote], seconds: float, signals: Signals | None = None)
             remote.proc.wait(timeout=1)
         remote.poll()
 
-
-def _first(remotes: list[_Remote]) -> _Remote | None:
-    """The host that failed first: its rank's own error before any error that only echoes another's,
-    earliest first; a launcher that ended without naming a rank counts from when it ended."""
-    found: list[tuple[_Remote, str | None, float | None]] = []
-    for remote in remotes:
-        outcome = remote.outcome or {}
-        if outcome.get("rank") is not None:
-            found.append((remote, outcome.get("type"), outcome.get("time")))
-        elif remote.code not in (None, 0) and not outcome.get("stopped"):
-            found.append((remote, None, remote.ended))
-    return earliest(found)
-
-
-def _report(remotes: list[_Remote], start: float) -> int:
-    """Print the line naming the host and rank that failed first (their reports are above); the exit status."""
-    first = _first(remotes)
-    if first is None:
-        lines = ["phalanx run: the job failed on several hosts, but no host named a failing rank."]
-    else:
-        outcome = first.outcome or {}
-        what = ": ".join(p for p in (outcome.get("type"), outcome.get("message")) if p)
-        when = outcome.get("time") or first.ended
-        after = f" after {when - start:.1f} s" if when else ""
-        if outcome.get("rank") is not None:
-            lines = [f"phalanx run: rank {outcome['rank']} on host {first.host} failed first{after}: {what} "
-                     f"(host {first.host}'s report above has the details)."]
-        elif outcome.get("message"):  # the per-host launcher refused the job (LaunchError)
-            lines = [f"phalanx run: host {first.host} could not start its ranks: {outcome['message']}"]
-        elif first.started:
-            lines = [f"phalanx run: host {first.host} failed first{after}: its launcher ended with "
-                     f"{_status(first.code)} without a report: the host, its processes or the connection to "
-                     "it were lost."]
-        else:  # the rsh could not start it: its own message says why
-            said = f": {first.tail[-1]}" if first.tail else ""
-            lines = [f"phalanx run: host {first.host} failed first{after}: the launcher could not be started "
-                     f"there ({_status(first.code)}){said}"]
-    others = [_summary(r) for r in remotes if r is not first]
-    if others:
-        lines.append(f"(other hosts: {'; '.join(others)}; every rank on every host was stopped)")
-    sys.stderr.write("\n".join(lines) + "\n")
-    sys.stderr.flush()
-    code = first.code if first is not None else None
-    return code if code is not None and 0 < code < 256 else 1
-
-
-def _summary(remote: _Remote) -> str:
-    outcome = remote.outcome or {}
-    if outcome.get("rank") is not None:
-        how = f"raised {outcome['type']}" if outcome.get("type") else outcome.get("message", "failed")
-        return f"{remote.host} rank {outcome['rank']} {how}"
-    if outcome.get("stopped"):
-        return f"{remote.host} stopped by the driver"
-    return f"{remote.host} {_status(remote.code)}"
-
-
-def _status(code: int | None) -> str:
-    if code is None:
-        return "no exit status"
-    return f"exit status {code}" if code >= 0 else f"signal {signal_name(-code)}"

@@ -9,7 +9,9 @@ a command line (which every user of the host can read with ``ps``):
   and the master (``HOST:PORT``; ``null`` on node 0 when it is to choose one,
   ``"wait"`` on the others until line 2 brings it);
 * later lines: ``{"master": "HOST:PORT"}``, or ``{"stop": SIGNUM}`` (the driver got a
-  Ctrl-C or SIGTERM: treated as that signal, a second one hurries);
+  Ctrl-C or SIGTERM: treated as that signal, a second one hurries); in a job that re-forms
+  in place (line 1 has ``elastic``), ``{"in_place": true}`` and ``{"kill": MEMBER}`` for its
+  :class:`._epochs_hosts.Relay`;
 * **EOF on stdin**: the driver died or its connection closed: every rank here is
   stopped at once. This is how no process outlives a job on a remote host;
 * on stderr, besides the ranks' output and this launcher's report, lines starting
@@ -35,6 +37,7 @@ from typing import Any
 
 from .._errors import LaunchError
 from .._net import describe_interfaces, interface_address, is_loopback, resolve, route_source
+from ._epochs_hosts import Relay
 from ._job import Launch, Signals, rank_env
 from ._on_each_host import MARK, parse_master, rank_placement
 from ._spawn import Outcome, free_port, run_spawn
@@ -50,6 +53,7 @@ class _Stdin:
     def __init__(self) -> None:
         self.stream = sys.stdin.buffer
         self.closed = threading.Event()
+        self.listener: Any = None  # a Relay (epochs across hosts): it hears the driver's other lines
 
     def line(self) -> dict[str, Any] | None:
         """The next JSON line; None at EOF."""
@@ -68,6 +72,8 @@ class _Stdin:
             while (message := self.line()) is not None:
                 if "stop" in message:
                     os.kill(os.getpid(), int(message["stop"]))  # handled by Signals, like a local Ctrl-C
+                elif self.listener is not None:
+                    self.listener.receive(message)
         except (ValueError, TypeError, OSError):  # a garbled line: the driver cannot be trusted to be there
             self.closed.set()
 
@@ -128,16 +134,18 @@ def serve(config: dict[str, Any], stdin: _Stdin) -> int:
                 return 1
             master_text = message["master"]
         master = parse_master(master_text)
+    job_dir = tempfile.mkdtemp(prefix="phalanx-job-")
+    relay = Relay(config["elastic"], job_dir, tell) if config.get("elastic") else None
+    stdin.listener = relay
     stdin.follow()
     tell(started=True)
     placement = rank_placement(job, config["ranks"], config["world_size"], master, config["secret"],
                                config["nnodes"], config["node_rank"])
-    job_dir = tempfile.mkdtemp(prefix="phalanx-job-")
     env = rank_env(job, job_dir)
     outcome = Outcome()
     try:
         with Signals(job.stop_grace or 0.0) as signals:
-            code = run_spawn(job, env, job_dir, signals, placement, lost=stdin.lost, outcome=outcome)
+            code = run_spawn(job, env, job_dir, signals, placement, lost=stdin.lost, outcome=outcome, epochs=relay)
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
     tell(outcome=asdict(outcome), code=code)

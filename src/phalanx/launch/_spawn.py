@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ._epochs import Coordinator, wants_epochs
 from ._job import GRACE, Launch, Signals, notice, worker_command
@@ -82,17 +83,17 @@ class Outcome:
 
 def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals,
               placement: Placement | None = None, lost: Callable[[], str | None] | None = None,
-              outcome: Outcome | None = None) -> int:
+              outcome: Outcome | None = None, epochs: Any = None) -> int:
     """Start ``job.n`` ranks here, supervise them to the end; returns the exit status (report on stderr).
 
     ``placement`` puts them in a larger world (default: ranks 0..n-1 of n, store on 127.0.0.1);
     ``lost()`` returning a reason ends the job (the driver of a multi-host job is gone);
-    ``outcome`` receives the first failure.
+    ``outcome`` receives the first failure; ``epochs``: this host's part of a world with epochs across
+    hosts (:class:`._epochs_hosts.Relay`); on one host the :class:`Coordinator` is made here.
     """
     start = time.time()
     placement = placement or Placement(world_size=job.n, ranks=tuple(range(job.n)))
-    epochs = None
-    if wants_epochs(job) and placement.world_size == job.n:  # the store here: the world re-forms in place
+    if epochs is None and wants_epochs(job) and placement.world_size == job.n:  # the store here: the world re-forms in place
         # its own port: MASTER_PORT stays free for a script that makes torch.distributed's group itself
         epochs = Coordinator(job, free_port(), env["PHALANX_SECRET"], float(env.get("PHALANX_TIMEOUT") or 300.0))
         placement = dataclasses.replace(placement, master_port=placement.master_port or free_port())
@@ -104,7 +105,7 @@ def run_spawn(job: Launch, env: dict[str, str], job_dir: str, signals: Signals,
 
 
 def _supervise(job: Launch, env: dict[str, str], job_dir: str, signals: Signals, placement: Placement,
-               lost: Callable[[], str | None] | None, outcome: Outcome | None, epochs: Coordinator | None,
+               lost: Callable[[], str | None] | None, outcome: Outcome | None, epochs: Any,
                start: float) -> int:
     procs = _start_ranks(job, env, placement, epochs)
     # Readers start after the last fork: preexec_fn and running threads do not mix.
@@ -120,8 +121,8 @@ def _supervise(job: Launch, env: dict[str, str], job_dir: str, signals: Signals,
         elif proc.stderr is not None:
             readers.append(pump(proc.stderr, [sys.stderr.buffer], tail=tails[rank]))
 
-    for rank, proc in procs.items():
-        read(rank, proc)
+    for rank, proc in procs.items():  # a replacement's launcher adds to the log of the rank it replaces
+        read(rank, proc, "ab" if getattr(epochs, "joining", None) is not None else "wb")
     ranks = _Ranks(procs)
 
     def respawn(slot: int, extra: dict[str, str]) -> int:
@@ -148,7 +149,7 @@ def _supervise(job: Launch, env: dict[str, str], job_dir: str, signals: Signals,
         elif epochs is not None:
             epochs.tick({}, respawn)
         # A recorded exception ends the job at once, before its rank has finished exiting.
-        failed = ranks.failed() or any_record(job_dir)
+        failed = ranks.failed() or (epochs.failing(job_dir) if epochs is not None else any_record(job_dir))
         why_lost = lost() if lost is not None and not failed else None
         if failed or why_lost or signals.received or not running or clock.overdue(time.monotonic()):
             break
@@ -198,7 +199,7 @@ def _popen(job: Launch, rank_env: dict[str, str]) -> subprocess.Popen[bytes]:
 
 
 def _start_ranks(job: Launch, env: dict[str, str], placement: Placement,
-                 epochs: Coordinator | None = None) -> dict[int, subprocess.Popen[bytes]]:
+                 epochs: Any = None) -> dict[int, subprocess.Popen[bytes]]:
     """Each rank with the torch.distributed environment, in its own session; all or none started."""
     port = str(placement.master_port or free_port())
     procs: dict[int, subprocess.Popen[bytes]] = {}
