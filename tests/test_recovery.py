@@ -17,6 +17,9 @@ Each job runs once (a module fixture) and every behaviour is a check of what it 
 * **own loop** — ``phalanx.reform()`` in a loop of the user's (``tests/program_reform.py``): the error
   names the fix, the epoch is renumbered, a handle and a group of the old epoch are refused, the
   ``on_reform`` callback runs.
+* **own loop grows** — the same loop under ``--max-restarts 1``: the launcher starts a replacement,
+  ``phalanx.replacement_waiting()`` turns True on every rank at the same iteration, ``reform()``
+  admits it (epoch 2 of 3), it receives the count from rank 0 and all three finish.
 * without a launcher that re-forms, ``reform()`` is a UsageError naming the fix (a world of one).
 
 Figures (the stalls, the largest difference) are printed with ``-s``.
@@ -109,6 +112,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
     out["floor"] = _run(str(root / "floor"), TRAIN, 3, ["--timeout", "10", "--min-ranks", "2"],
                         {"KILLS": json.dumps([[10, 1, SIGKILL], [20, 0, SIGKILL]]), "STEPS": "100"}, 200)
     out["own loop"] = _run(str(root / "loop"), LOOP, 3, ["--timeout", "10", "--min-ranks", "1"], {}, 120)
+    out["own loop grows"] = _run(str(root / "loop-grows"), LOOP, 3, ["--timeout", "10", "--max-restarts", "1"],
+                                 {"SLOW": "1"}, 120)
     out["sharded"] = _run(str(root / "sharded"), TRAIN, 4, ["--timeout", "10", "--max-restarts", "1", "--min-ranks", "2"],
                           {"KILLS": json.dumps([[35, 2, SIGKILL]]), "STEPS": "100", "SHARD": "gradients",
                            "CKPT": str(root / "sharded-ckpt"), "CKPT_EVERY": "10"}, 200)
@@ -274,8 +279,32 @@ def test_reform_in_a_users_own_loop(jobs: dict[str, Job], behaviour: str) -> Non
         assert LOOP_CHECKS[behaviour](record), record
 
 
-def test_reform_without_a_launcher_that_reforms_is_a_usage_error_naming_the_fix() -> None:
-    code = ("import phalanx\nphalanx.init()\nassert phalanx.epoch() == 0\ntry:\n    phalanx.reform()\n"
+GROW_CHECKS = {
+    "the_job_exits_0_with_two_survivors_and_one_replacement": lambda rs: (
+        len(rs) == 3 and sorted(r["joined_late"] for r in rs) == [False, False, True]),
+    "every_survivor_admits_it_in_epoch_2_of_3_before_the_end": lambda rs: all(
+        len(r["admitted"]) == 1 and r["admitted"][0][:3] == [2, 3, [3]] and r["admitted"][0][3] < 20
+        for r in rs if not r["joined_late"]),
+    "the_replacement_starts_as_rank_2_of_3_in_epoch_2": lambda rs: [r["start"] for r in rs if r["joined_late"]] == [[2, 2, 3]],
+    "every_rank_finishes_the_20_iterations_in_epoch_2": lambda rs: sorted(r["end"] for r in rs) == [
+        [2, 0, 3, 20], [2, 1, 3, 20], [2, 2, 3, 20]],
+}
+
+
+@pytest.mark.parametrize("behaviour", sorted(GROW_CHECKS))
+def test_replacement_waiting_admits_a_replacement_into_a_users_own_loop(jobs: dict[str, Job], behaviour: str) -> None:
+    job = jobs["own loop grows"]
+    assert job.code == 0, job.output[-3000:]
+    records = []
+    for path in job.files("reform-*.json"):
+        with open(path) as f:
+            records.append(json.load(f))
+    assert GROW_CHECKS[behaviour](records), (records, job.output[-2000:])
+
+
+def test_reform_without_a_launcher_that_reforms_is_a_usage_error_naming_the_fix_and_no_replacement_waits() -> None:
+    code = ("import phalanx\nphalanx.init()\nassert phalanx.epoch() == 0\n"
+            "assert phalanx.replacement_waiting() is False\ntry:\n    phalanx.reform()\n"
             "except phalanx.UsageError as e:\n    print('refused:', e)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")})

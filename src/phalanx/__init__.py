@@ -56,7 +56,7 @@ from ._groups import Group, destroy_group, new_group, world_group
 from ._nonblocking import Handle, iallreduce, ibroadcast
 from ._objects import allgather_object, broadcast_object
 from ._output import RankFilter, print, setup_logging
-from ._reform import reform
+from ._reform import reform, replacement_waiting
 from ._settings import settings
 from ._shutdown import shutdown
 from ._sync import synchronize
@@ -132,6 +132,7 @@ __all__ = [
     "print",
     "rank",
     "reform",
+    "replacement_waiting",
     "reduce",
     "reduce_scatter",
     "settings",

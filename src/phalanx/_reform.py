@@ -4,18 +4,39 @@ from __future__ import annotations
 
 import atexit
 
-from . import _world
+import numpy as np
+
+from . import _epochs, _world
 from ._epochs import Epoch, rebinds, required
 from ._errors import RankFailedError, RendezvousError
 
-__all__ = ["reform", "reformed"]
+__all__ = ["reform", "reformed", "replacement_waiting"]
+
+
+def replacement_waiting() -> bool:
+    """Whether a replacement waits to join the running job: then call :func:`reform` on every rank to
+    admit it (collective: call it on every rank at the same point of the loop, e.g. each step boundary).
+
+    Rank 0 asks the launcher (at most every 0.2 s) and broadcasts its answer, so every rank decides
+    alike. False where the world cannot grow (no launcher that re-forms, or ``--min-ranks`` alone); in
+    a world of one no collective is made.
+    """
+    world = _world.current("replacement_waiting")
+    if _epochs.membership() is None:
+        return False
+    waiting = _epochs.grow_requested() if world.rank == 0 else False
+    if world.size > 1:
+        from ._collectives import broadcast
+
+        waiting = bool(broadcast(np.array([waiting], dtype=np.uint8), root=0)[0])
+    return waiting
 
 
 def reform(reason: str | None = None) -> Epoch:
     """Re-form the world with the ranks still alive (and replacements waiting to join); the new :class:`Epoch`.
 
     Call it on every surviving rank after a :class:`RankFailedError` or
-    :class:`CollectiveTimeoutError` (or when :func:`grow_requested` says a
+    :class:`CollectiveTimeoutError` (or when :func:`replacement_waiting` says a
     replacement waits). The old world is released (its handles and groups are
     refused from now on), the launcher decides the new members, and a new world
     forms: ranks renumbered in their old order, replacements last. Then every
