@@ -67,8 +67,9 @@ def test_nccl_ranks_sharing_a_gpu_fail_at_init_naming_ranks_device_and_fix(backe
     assert "devices=" in text and "gloo" in text and "firewall" not in text, text
 
 
-def _meet(rank: int, size: int, port: int, uuid: str, results: object) -> None:
-    """One rank of a rendezvous whose GPU has identity ``uuid`` (no GPU needed: only its UUID is read)."""
+def _meet(rank: int, size: int, port: int, uuid: str, results: object, done: object) -> None:
+    """One rank of a rendezvous whose GPU has identity ``uuid`` (no GPU needed: only its UUID is read).
+    It stays until every rank has its answer (``done``, a barrier): rank 0 serves the store they read."""
     import os
     import types
 
@@ -85,6 +86,7 @@ def _meet(rank: int, size: int, port: int, uuid: str, results: object) -> None:
         results.put((rank, "ok"))  # type: ignore[attr-defined]
     except Exception as exc:  # noqa: BLE001 - reported to the test
         results.put((rank, f"{type(exc).__name__}: {exc}"))  # type: ignore[attr-defined]
+    done.wait(30)  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("shared", [True, False], ids=["shared-gpu-is-a-usage-error", "own-gpus-pass"])
@@ -96,8 +98,8 @@ def test_nccl_init_checks_each_rank_has_its_own_gpu_by_uuid(shared: bool) -> Non
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_meet, args=(r, 2, port, "GPU-1" if shared else f"GPU-{r}", results))
+    results, done = ctx.Queue(), ctx.Barrier(2)
+    procs = [ctx.Process(target=_meet, args=(r, 2, port, "GPU-1" if shared else f"GPU-{r}", results, done))
              for r in range(2)]
     for proc in procs:
         proc.start()

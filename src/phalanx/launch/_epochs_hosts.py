@@ -8,8 +8,8 @@ launchers' (:mod:`._remote`). Both sides of that are here:
   it gives each rank the store's address and its member id, and tells the driver (on stderr, one
   ``@phalanx-remote`` line each) every rank it started and every rank that ended. Once the driver
   says the job is in place (every member declared that it re-forms), a rank that dies, or that
-  raises only because it lost the world (:data:`ABSORBED`: a peer lost, the store unreachable, left
-  out of an epoch), no longer ends this host's ranks: its end is the driver's to decide. Any other
+  raises only because it is out of the job (:data:`ABSORBED`: left out of an epoch, or cut off from
+  the store), no longer ends this host's ranks: its end is the driver's to decide. Any other
   exception is the script's and ends the job as always. ``{"kill": member}`` from the driver kills
   a stalled rank.
 * :class:`InPlace`, in the driver, feeds those ends to the coordinator, forgets a per-host launcher
@@ -38,8 +38,9 @@ from ._report import Death
 
 __all__ = ["ABSORBED", "InPlace", "Relay"]
 
-# What a rank raises because it lost the world, not because its script failed: absorbed in place.
-ABSORBED = ("RankFailedError", "WorldBrokenError", "DistBackendError", "QuorumLostError", "CollectiveTimeoutError")
+# What a rank raises when it is out of the job (left out of an epoch, or cut off from the driver's store),
+# never its script's own error: absorbed in place. Any other exception ends the job, as on one host.
+ABSORBED = ("QuorumLostError",)
 
 
 class Relay:

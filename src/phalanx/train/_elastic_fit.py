@@ -19,8 +19,9 @@ is cut off) during a step:
    for a loss after its last collective). When all have applied as many (the
    usual case: replicas in lockstep hold the same state) nothing moves; else
    the lowest rank with the most sends its whole state (model, optimizer, scheduler, scaler, position, RNG, metrics) to
-   every rank, as bytes loaded with ``torch.load(weights_only=True)``: nothing a
-   peer sends is unpickled beyond tensors and plain values.
+   every rank (:mod:`._state_transfer`: its structure as bytes loaded with
+   ``torch.load(weights_only=True)``, so nothing a peer sends is unpickled
+   beyond tensors and plain values; its tensors in buffers received in place).
 
 So the step that was interrupted is done again by the new world on the same
 global batch, and the run ends with the parameters of an uninterrupted one.
@@ -32,7 +33,6 @@ step's own exchange: ``_run.Run._step``).
 
 from __future__ import annotations
 
-import io
 import os
 import time
 from typing import Any
@@ -41,10 +41,11 @@ import numpy as np
 import torch
 
 from .. import _epochs, _reform
-from .._collectives import allgather, broadcast
+from .._collectives import allgather
 from .._errors import InvalidArgumentError
 from ._history import History
 from ._policy import FailurePolicy
+from ._state_transfer import broadcast_state
 
 __all__ = ["GrowRequested", "check", "rebind", "recover", "resync", "train"]
 
@@ -132,20 +133,17 @@ def resync(run: Any) -> dict[str, Any]:
         raise InvalidArgumentError("phalanx.train.fit(elastic=True): no rank of the new world holds a state.")
     if run.size == 1 or (done == done[root]).all():  # replicas in lockstep hold the same state: nothing to send
         return {"bytes": 0, "seconds": time.monotonic() - started, "root": root}
-    payload = _pack(run) if run.rank == root else b""
-    size = broadcast(np.array([len(payload)], np.int64), root=root)
-    data = np.frombuffer(payload, np.uint8) if run.rank == root else np.empty(int(size[0]), np.uint8)
-    data = broadcast(data if run.rank != root else data.copy(), root=root)
+    state, size = broadcast_state(_state(run) if run.rank == root else None, root, run.rank)
     if run.rank != root:
-        _unpack(run, memoryview(data))
+        _load(run, state)
     if joined:
         run.history.recoveries.append({"epoch": _epochs.epoch(), "size": run.size, "lost": 0, "joined": 1,
                                        "step": run.progress.global_step, "seconds": time.monotonic() - started,
-                                       "cause": "joined a running job", "received_bytes": int(size[0])})
-    return {"bytes": int(size[0]), "seconds": time.monotonic() - started, "root": root}
+                                       "cause": "joined a running job", "received_bytes": size})
+    return {"bytes": size, "seconds": time.monotonic() - started, "root": root}
 
 
-def _pack(run: Any) -> bytes:
+def _state(run: Any) -> dict[str, Any]:
     from ._rng import local_rng
 
     state = {
@@ -163,15 +161,12 @@ def _pack(run: Any) -> bytes:
         "history": run.history.to_json(),
         "rng": local_rng(),
     }
-    out = io.BytesIO()
-    torch.save(state, out)
-    return out.getvalue()
+    return state
 
 
-def _unpack(run: Any, payload: Any) -> None:
+def _load(run: Any, state: dict[str, Any]) -> None:
     from ._rng import restore_rng
 
-    state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     run.model.load_state_dict(state["model"])
     run.inner.load_state_dict(state["optimizer"])
     if run.scheduler is not None and state["scheduler"] is not None:
