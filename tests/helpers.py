@@ -6,10 +6,10 @@ import contextlib
 import functools
 import inspect
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["Raised", "doc_problems", "nan_in_backward", "raise_in_backward", "raises",
+__all__ = ["Raised", "doc_problems", "lose_while_running", "nan_in_backward", "raise_in_backward", "raises",
            "requires_cuda"]  # and requires_hosts, made on first use
 
 
@@ -125,3 +125,25 @@ def doc_problems(name: str, obj: Any) -> list[str]:
         if missing:
             problems.append(f"{name}: arguments not described: {missing}")
     return problems
+
+
+def lose_while_running(proc: Any, ready: Callable[[], bool], never: str, lose: Callable[[], None],
+                       wait_s: float, end_s: float) -> tuple[str, float]:
+    """Once ``ready()`` (within ``wait_s`` s, while the job ``proc`` runs; else fail saying it ``never``
+    got there), call ``lose()`` (a host cut, killed...), then wait up to ``end_s`` s for the job's end.
+    Returns its output and the ``time.monotonic()`` of the loss; a job still running then is killed."""
+    import time
+
+    try:
+        deadline = time.monotonic() + wait_s
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline, never
+            time.sleep(0.1)
+        lost_at = time.monotonic()
+        lose()
+        out, _ = proc.communicate(timeout=end_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            out, _ = proc.communicate()
+    return out, lost_at

@@ -27,7 +27,7 @@ import pytest
 
 import worlds_elastic as bodies
 from conftest import AVAILABLE
-from helpers import requires_hosts
+from helpers import lose_while_running, requires_hosts
 
 SCRIPT = os.path.abspath(bodies.__file__)
 PHALANX = [sys.executable, "-m", "phalanx"]
@@ -178,21 +178,15 @@ def _lose_host(tmp_path: Any, backend: str, loss: str, min_ranks: int) -> tuple[
         start = time.monotonic()
         proc = hosts.popen(0, cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-        try:
-            deadline = time.monotonic() + 120
-            while not (tmp_path / "waiting-rank2").exists():
-                assert proc.poll() is None and time.monotonic() < deadline, "rank 2 never reached step 4"
-                time.sleep(0.1)
-            lost_at = time.monotonic()
+
+        def lose() -> None:
             if loss in ("power-off", "processes-killed"):
                 hosts.kill(2)
             if loss in ("power-off", "cut"):
                 hosts.cut(2)
-            out, _ = proc.communicate(timeout=240)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                out, _ = proc.communicate()
+
+        out, lost_at = lose_while_running(proc, (tmp_path / "waiting-rank2").exists, "rank 2 never reached step 4",
+                                          lose, 120, 240)
     print(f"\n{backend}/{loss}: host lost after {lost_at - start:.1f} s; the launcher ended "
           f"{time.monotonic() - lost_at:.1f} s later")
     print("\n".join(line for line in out.splitlines() if line.startswith(("phalanx run: restart",

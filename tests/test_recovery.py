@@ -250,14 +250,15 @@ def test_sharded_gradients_reload_the_last_checkpoint_in_place_equal_to_the_unin
 
 # -- the user's own loop -----------------------------------------------------------------------------------
 
-def _loop_records(jobs: dict[str, Job]) -> list[dict[str, Any]]:
-    job = jobs["own loop"]
+def _loop_records(jobs: dict[str, Job], name: str = "own loop", count: int = 2) -> list[dict[str, Any]]:
+    """What each process of a ``program_reform.py`` job wrote (the job exited 0, ``count`` processes)."""
+    job = jobs[name]
     assert job.code == 0, job.output[-3000:]
     records = []
     for path in job.files("reform-*.json"):
         with open(path) as f:
             records.append(json.load(f))
-    assert len(records) == 2, job.output[-3000:]
+    assert len(records) == count, job.output[-3000:]
     return sorted(records, key=lambda r: r["start"][1])
 
 
@@ -293,13 +294,8 @@ GROW_CHECKS = {
 
 @pytest.mark.parametrize("behaviour", sorted(GROW_CHECKS))
 def test_replacement_waiting_admits_a_replacement_into_a_users_own_loop(jobs: dict[str, Job], behaviour: str) -> None:
-    job = jobs["own loop grows"]
-    assert job.code == 0, job.output[-3000:]
-    records = []
-    for path in job.files("reform-*.json"):
-        with open(path) as f:
-            records.append(json.load(f))
-    assert GROW_CHECKS[behaviour](records), (records, job.output[-2000:])
+    records = _loop_records(jobs, "own loop grows", 3)
+    assert GROW_CHECKS[behaviour](records), (records, jobs["own loop grows"].output[-2000:])
 
 
 def test_reform_without_a_launcher_that_reforms_is_a_usage_error_naming_the_fix_and_no_replacement_waits() -> None:

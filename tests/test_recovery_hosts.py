@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from helpers import requires_hosts
+from helpers import lose_while_running, requires_hosts
 from test_recovery import TRAIN, Job, _equal_to_reference, _final, _initial
 
 PHALANX = [sys.executable, "-m", "phalanx"]
@@ -59,18 +59,8 @@ def cut(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         start = time.monotonic()
         proc = hosts.popen(0, cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            env=dict(os.environ, OMP_NUM_THREADS="1", PHALANX_TEST_MARKS=str(marks), PHALANX_TEST_STEPS=str(STEPS), PHALANX_TEST_FULL="4"))
-        try:
-            deadline = time.monotonic() + 150
-            while not _rank_at(str(marks), CUT_RANK, CUT_AT):
-                assert proc.poll() is None and time.monotonic() < deadline, f"rank {CUT_RANK} never reached step {CUT_AT}"
-                time.sleep(0.1)
-            cut_at = time.monotonic()
-            hosts.cut(2)
-            out, _ = proc.communicate(timeout=240)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                out, _ = proc.communicate()
+        out, cut_at = lose_while_running(proc, lambda: _rank_at(str(marks), CUT_RANK, CUT_AT),
+                                         f"rank {CUT_RANK} never reached step {CUT_AT}", lambda: hosts.cut(2), 150, 240)
         ended = time.monotonic()
         while hosts.pids(2) and time.monotonic() < ended + 15:
             time.sleep(0.1)

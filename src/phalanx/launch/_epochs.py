@@ -230,13 +230,14 @@ class Coordinator:
             return
         for m in pending:  # stalled past the timeout: gone for certain before the others go on
             member = self.members.pop(m, None)
-            if member is not None and self.stop(member):
-                self.killed[member.slot] = m  # replaced once its exit is seen
+            if member is None or self.stop(member):  # gone for certain (on one host: killed and waited for)
+                if member is not None:
+                    self.killed[member.slot] = m  # replaced once its exit is seen
                 gone[m] = "did not check in within the timeout (stalled), and was killed"
-            else:
+            else:  # on another host, which may only be cut off: never seen to exit, replaced now
                 gone[m] = "did not check in within the timeout (stalled, or cut off from the launcher)"
                 self.reform.unseen.add(m)
-                if member is not None and self._respawn is not None:
+                if self._respawn is not None:
                     self._replace(member.slot, self._respawn)
         self._form([m for m in checked if m not in gone], gone)
 

@@ -125,7 +125,7 @@ class InPlace:
                  launch: Callable[[str, int, int, dict[str, Any]], Any]) -> None:
         from ._spawn import free_port
 
-        timeout = float(job.env.get("PHALANX_TIMEOUT") or os.environ.get("PHALANX_TIMEOUT") or 300.0)
+        timeout = float(job.timeout or os.environ.get("PHALANX_TIMEOUT") or 300.0)  # the ranks' (--timeout)
         self.coordinator = Coordinator(job, free_port(address), secret, timeout, address=address, stop=self._kill)
         self.slots = dict(hosts)  # host -> slots, in the list's order
         self.launch = launch  # (host, slot, member, relay config) -> the new per-host launcher

@@ -192,10 +192,11 @@ def _in_place(job: Launch, plan: list[tuple[str, list[int]]], secret: str,
     from ._hostlist import as_hosts
 
     address = interface_address(job.iface) if job.iface else None
-    for host, _ in plan:
-        if address is None and not _is_here(host):
-            with contextlib.suppress(OSError):
-                address = route_source(host, 9)
+    for host in [host for host, _ in plan if not _is_here(host)]:
+        if address is not None:
+            break
+        with contextlib.suppress(OSError):
+            address = route_source(host, 9)  # this machine's address toward the first remote host it routes to
     hosts = [(h.name, h.slots) for h in as_hosts(job.hosts) or []]
     return InPlace(job, secret, address or "127.0.0.1", hosts, start)
 
