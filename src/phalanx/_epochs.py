@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._current import current
+from ._current import current, current_or_none
 from ._errors import (
     CollectiveTimeoutError,
     QuorumLostError,
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ELASTIC_ENV", "JOINING_ENV", "MEMBER_ENV", "Epoch", "Membership", "available", "declare", "epoch",
            "first_epoch", "grow_requested", "joined_late", "membership", "on_reform", "recoverable", "recovers",
-           "rebinds", "required"]
+           "rebinds", "required", "ulfm", "why_not_continue"]
 
 ELASTIC_ENV = "PHALANX_ELASTIC"  # "host:port": the launcher's store (behind the job's guard)
 MEMBER_ENV = "PHALANX_MEMBER"  # this process's member id (0..n-1 at the start, then n, n+1, ... for replacements)
@@ -228,12 +228,40 @@ _MEMBERSHIP: Membership | None = None
 _REBINDS: list[Callable[[Epoch], None]] = []
 
 
-def available() -> bool:
+ULFM = "ulfm"  # ELASTIC_ENV's value in an MPI job under Open MPI's ULFM (phalanx.comm._ulfm): no store
+
+
+def ulfm() -> bool:
+    """Whether this process's MPI world re-forms in place through ULFM (``phalanx run --backend mpi``
+    with ``--max-restarts`` or ``--min-ranks`` under Open MPI 5: ``mpirun --with-ft ulfm``)."""
+    return os.environ.get(ELASTIC_ENV, "").strip() == ULFM
+
+
+def why_not_continue(last: int, survivors: int, members: int, min_ranks: int, seen_exit: bool) -> str | None:
+    """Why the survivors of an epoch of ``last`` ranks cannot continue as a world of ``members``
+    (survivors plus replacements), or None where they can: the one rule of who continues (the
+    launcher's :mod:`phalanx.launch._epochs` and ULFM's :mod:`phalanx.comm._ulfm` both ask it).
+    Only a strict majority of the last epoch continues, or survivors whose missing peers were seen
+    to exit (``seen_exit``: so a partition never splits a job in two), never fewer than ``min_ranks``."""
+    if members < min_ranks:
+        return f"fewer than --min-ranks {min_ranks}"
+    if not survivors or not (2 * survivors > last or seen_exit):
+        return "no strict majority of the last epoch, and the missing ranks were not seen to exit"
+    return None
+
+
+def available(backend: str | None = None) -> bool:
     """Whether this process was started by a launcher that re-forms worlds (``phalanx run`` with
-    ``--max-restarts`` or ``--min-ranks`` on gloo/nccl), and its world can: not when the script made
-    torch.distributed's group itself (phalanx then uses that group as it is, as without the flags)."""
+    ``--max-restarts`` or ``--min-ranks`` on gloo/nccl, or on mpi under ULFM), and its world can:
+    not when the script made torch.distributed's group itself (phalanx then uses that group as it
+    is, as without the flags). ``backend``: the world's backend name (default: the current world's)."""
     if not os.environ.get(ELASTIC_ENV, "").strip():
         return False
+    if backend is None:
+        world = current_or_none()
+        backend = None if world is None else world.backend.name
+    if ulfm() or backend == "mpi":
+        return ulfm() and backend in ("mpi", None)
     dist = sys.modules.get("torch.distributed")
     return _MEMBERSHIP is not None or dist is None or not dist.is_available() or not dist.is_initialized()
 
@@ -248,8 +276,14 @@ def first_epoch(timeout: float) -> Epoch:
     global _MEMBERSHIP
     if _MEMBERSHIP is None:
         member = os.environ.get(MEMBER_ENV, os.environ.get("RANK", "0"))
-        _MEMBERSHIP = Membership(os.environ[ELASTIC_ENV].strip(), int(member),
-                                 os.environ.get(JOINING_ENV) == "1", timeout)
+        if ulfm():
+            from .comm._ulfm import UlfmMembership
+
+            _MEMBERSHIP = UlfmMembership(int(member), timeout)  # type: ignore[assignment]  # the same contract
+        else:
+            _MEMBERSHIP = Membership(os.environ[ELASTIC_ENV].strip(), int(member),
+                                     os.environ.get(JOINING_ENV) == "1", timeout)
+        assert _MEMBERSHIP is not None
         return _MEMBERSHIP.first()
     if _MEMBERSHIP.epoch is None:  # pragma: no cover - first() raised before: try again
         return _MEMBERSHIP.first()
@@ -266,8 +300,8 @@ def required(call: str) -> Membership:
         raise UsageError(
             f"phalanx.{call}: this world cannot re-form: it was not started by a launcher that keeps the "
             "rendezvous. Run the script with `phalanx run -n N --backend gloo --max-restarts K train.py` "
-            "(or --min-ranks M to continue on fewer ranks); mpi worlds restart whole instead "
-            "(docs/cluster.md, \"Restarts\").")
+            "(or --min-ranks M to continue on fewer ranks); mpi worlds re-form only under Open MPI 5 "
+            "(its ULFM), and restart whole elsewhere (docs/cluster.md, \"Restarts\").")
     return _MEMBERSHIP
 
 

@@ -148,11 +148,14 @@ def install_abort_hook(world: Any) -> None:
     previous = sys.excepthook
 
     def at_exit() -> None:
-        if world.broken is not None and backend.name == "mpi":
-            sys.stderr.write(f"phalanx: rank {backend.rank} ends the MPI job: the world was left "
-                             f"unusable ({world.broken}), so MPI cannot finalize cleanly.\n")
+        live = world
+        while live.superseded is not None:  # phalanx.reform replaced it by a new epoch's world
+            live = live.superseded
+        if live.broken is not None and live.backend.name == "mpi":
+            sys.stderr.write(f"phalanx: rank {live.backend.rank} ends the MPI job: the world was left "
+                             f"unusable ({live.broken}), so MPI cannot finalize cleanly.\n")
             sys.stderr.flush()
-            backend.abort(1)
+            live.backend.abort(1)
 
     atexit.register(at_exit)
 

@@ -75,6 +75,7 @@ def reformed(old: _world.World, epoch: Epoch) -> _world.World:
     world = _world.World(impl, timeout=old.timeout, check=old.checks, debug=old.debug, devices=old.devices)
     world.epoch = epoch.number
     world.retry_mismatch = old.retry_mismatch
+    old.superseded = world
     _world.swap(world)
     for hook in _world.AT_EXIT:
         atexit.register(hook, world)

@@ -95,6 +95,7 @@ class World:
         self.check = check and backend.size > 1
         self.checks = check  # as asked: a re-formed world of more ranks checks again (_epochs)
         self.epoch: int | None = None  # in a world with epochs (phalanx._epochs): its number, else None
+        self.superseded: World | None = None  # the next epoch's world, once phalanx.reform() made it
         self.debug = debug
         self.devices = devices
         self.calls = 0  # collectives entered so far on this rank
@@ -307,7 +308,7 @@ def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, tim
                                   "positive, finite number of seconds, e.g. phalanx.settings.timeout = 60.")
     mark_rank("init")  # for `phalanx run --start-timeout`: this rank has reached init
     epoch = None
-    if name in ("gloo", "nccl", "torch") and _epochs.available():  # the launcher re-forms this job's worlds
+    if name in ("gloo", "nccl", "torch", "mpi") and _epochs.available(name):  # this job's worlds re-form
         epoch = _epochs.first_epoch(seconds)
     impl = make_backend(name, timeout=seconds, gpu_aware_mpi=gpu_aware_mpi if gpu_aware_mpi is not None
                          else settings.gpu_aware_mpi, devices=devices, epoch=epoch)
@@ -334,7 +335,8 @@ def make_backend(name: str, *, timeout: float, gpu_aware_mpi: bool | None,
     if name == "mpi":
         from .comm._mpi import MPIBackend
 
-        return MPIBackend(gpu_aware_mpi=gpu_aware_mpi)
+        ms = _epochs.membership() if epoch is not None else None
+        return MPIBackend(gpu_aware_mpi=gpu_aware_mpi, base=getattr(ms, "comm", None))
     from .comm._torch import TorchBackend
 
     if epoch is None:

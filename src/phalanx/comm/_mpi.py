@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from .._arrays import NATIVE_NUMPY_DTYPES, cast_like
+from .._errors import RendezvousError
 from . import _halfsum, _ring
 from ._base import PeerLost, WaitTimeout
 from ._mpilib import (
@@ -84,13 +85,20 @@ class MPIBackend(MPIShardOps):
 
     name = "mpi"
 
-    def __init__(self, *, gpu_aware_mpi: bool | None = None) -> None:
+    def __init__(self, *, gpu_aware_mpi: bool | None = None, base: Any = None) -> None:
+        """``base``: the communicator to work on (duplicates of it): ``COMM_WORLD`` by default, an
+        epoch's where the world re-forms (:mod:`._ulfm`)."""
         MPI = import_mpi()
         if not MPI.Is_initialized():
             MPI.Init_thread(MPI.THREAD_MULTIPLE)
         self.MPI = MPI
-        check_launcher_agrees(MPI.COMM_WORLD.Get_size())
-        comm, diag = MPI.COMM_WORLD.Dup(), MPI.COMM_WORLD.Dup()
+        if base is None:
+            check_launcher_agrees(MPI.COMM_WORLD.Get_size())
+            base = MPI.COMM_WORLD
+        try:
+            comm, diag = base.Dup(), base.Dup()
+        except MPI.Exception as exc:  # a peer of a re-formed world was lost while it formed (phalanx.reform)
+            raise RendezvousError(f"phalanx.init: the world's communicator could not be made ({exc})") from None
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         node.Free()

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._epochs import ELASTIC_ENV, JOINING_ENV, MEMBER_ENV
+from .._epochs import why_not_continue
 from ._job import Launch, notice
 from ._jobdir import any_record
 from ._procs import signal_name
@@ -258,14 +259,12 @@ class Coordinator:
         last = self.current
         assert self.reform is not None  # internal invariant: _form ends a re-forming
         seen_exit = not (self.reform.unseen & set(gone))  # this launcher saw (or made) every missing exit
-        majority = 2 * len(survivors) > len(last)
         joiners = self._waiting()
         members = survivors + joiners
         here = f"elastic/e{self.epoch}/"
         lost = "; ".join(f"rank {last.index(m)}: {how}" for m, how in gone.items())
-        if not (majority or seen_exit) or len(members) < self.min_ranks or not survivors:
-            why = (f"fewer than --min-ranks {self.min_ranks}" if len(members) < self.min_ranks
-                   else "no strict majority of the last epoch, and the missing ranks were not seen to exit")
+        why = why_not_continue(len(last), len(survivors), len(members), self.min_ranks, seen_exit)
+        if why is not None:
             verdict = (f"phalanx.reform: epoch {self.epoch} of {len(last)} rank(s) lost {lost or 'no rank'}; the "
                        f"{len(survivors)} survivor(s) (ranks {[last.index(m) for m in survivors]}) cannot continue: "
                        f"{why}. The job ends; lower --min-ranks, or restart it from its checkpoint.")

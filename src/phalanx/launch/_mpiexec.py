@@ -12,6 +12,7 @@ failure records, mpiexec's output and the order the ranks were seen to die).
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import subprocess
 import sys
@@ -19,15 +20,19 @@ import time
 from pathlib import Path
 from typing import IO
 
+from .._epochs import ELASTIC_ENV, ULFM
 from .._errors import LaunchError
 from .._failure import RAISED_STATUS
 from . import _keeper as keeper
-from ._job import GRACE, ONE_HOST, Launch, Signals, all_local, worker_command
+from ..comm._ulfm import COMMAND_ENV, REPLACEMENTS_ENV
+from ._job import GRACE, ONE_HOST, Launch, Signals, all_local, notice, worker_command
 from ._jobdir import any_record, marked_ranks, pid_files, read_records, read_statuses
 from ._logs import FileFollower, log_path, pump
 from ._mpi_deaths import HOST, RecordSink, Watch, can_watch_deaths, deaths_from
 from ._mpi_flavor import (
     FORKER,
+    LOOPBACK_ENV,
+    Flavor,
     INSTALL_HINT,
     check_library,
     find_mpiexec,
@@ -79,6 +84,7 @@ def mpi_command(job: Launch, env: dict[str, str], job_dir: str) -> tuple[list[st
     local = all_local(job)
     if local and not (job.iface or env.get("PHALANX_IFACE")):  # nothing needs to reach these ranks from another host
         loopback_env(env)
+    in_place = in_place_mpi(job, flavor, env, ours)
     placing = host_args(job, flavor.family, mpiexec, job_dir, env, ours)
     watched = local and can_watch_deaths()  # the launcher can stop the ranks itself only where it sees each end
     forker = single_host_forker(mpiexec, flavor) if watched and not job.mpi_args else None
@@ -87,12 +93,37 @@ def mpi_command(job: Launch, env: dict[str, str], job_dir: str) -> tuple[list[st
         return [forker, "-n", str(job.n), *worker_command(job.target)], True
     if flavor.family == "openmpi":
         extra = openmpi_args(job, flavor, env, ours)
+        if in_place:  # ULFM: a lost rank's peers are told, and the job goes on (the ranks re-form it)
+            cmd = [mpiexec, "-n", str(job.n), "--with-ft", "ulfm", *extra, *placing, *job.mpi_args,
+                   *worker_command(job.target)]
+            return cmd, False
     else:
         extra = hydra_args(flavor.banner, watched)
         if extra:  # the launcher stops the ranks: Hydra must not see a rank die by a signal (_keeper)
             env[keeper.ENV] = "1"
     cmd = [mpiexec, "-n", str(job.n), *extra, *placing, *job.mpi_args, *worker_command(job.target)]
     return cmd, bool(extra) and local
+
+
+def in_place_mpi(job: Launch, flavor: Flavor, env: dict[str, str], ours: list[str]) -> bool:
+    """Whether ``job``'s world re-forms in place (``--max-restarts`` or ``--min-ranks`` under Open MPI 5's
+    ULFM: :mod:`phalanx.comm._ulfm`); then the ranks' variables for it are set in ``env`` and named in
+    ``ours``. Elsewhere (MPICH, Open MPI 4) an MPI job restarts whole, as the launcher says."""
+    if not (job.max_restarts or job.min_ranks is not None):
+        return False
+    if flavor.family != "openmpi" or flavor.version[:1] < (5,):
+        notice(f"--max-restarts/--min-ranks with {flavor.banner.splitlines()[0] if flavor.banner else 'this MPI'}: "
+               "an MPI job restarts whole after a failure (re-forming in place needs Open MPI 5's ULFM; "
+               "docs/cluster.md, \"Restarts\").")
+        return False
+    if job.max_restarts and env.get("OMPI_MCA_btl") == LOOPBACK_ENV["OMPI_MCA_btl"]:
+        # a replacement is another MPI job, which shared memory does not reach: TCP, confined to loopback
+        del env["OMPI_MCA_btl"]
+    restarts = int(env.get("PHALANX_RESTART_COUNT", "0") or 0)
+    env.update({ELASTIC_ENV: ULFM, COMMAND_ENV: json.dumps(worker_command(job.target)),
+                REPLACEMENTS_ENV: str(max(0, job.max_restarts - restarts)), "PHALANX_MIN_RANKS": str(job.min_ranks or 1)})
+    ours += [ELASTIC_ENV, COMMAND_ENV, REPLACEMENTS_ENV, "PHALANX_MIN_RANKS"]
+    return True
 
 
 def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) -> int:
@@ -125,7 +156,14 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
             follower.stop()
     if signals.received:
         return signals.exit_code
-    if proc.returncode == 0:
+    if proc.returncode != 0 and env.get(ELASTIC_ENV) == ULFM and _every_slot_finished(job, job_dir):
+        notice(f"{Path(cmd[0]).name} exited with status {proc.returncode} for the ranks lost during the job, "
+               f"but the world re-formed in place and every slot's last process finished its script.")
+        return 0
+    code = proc.returncode
+    if code == 0 and env.get(ELASTIC_ENV) == ULFM and any_record(job_dir):
+        code = RAISED_STATUS  # under ULFM, mpirun may exit 0 after a rank's MPI_Abort
+    if code == 0:
         lost = [] if all_local(job) else _unfinished_here(job_dir, watch)
         if not lost:
             return 0
@@ -137,7 +175,7 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
     if clock.report is not None and not any_record(job_dir):
         sys.stderr.write(clock.report + "\n")
         return 1
-    return _report(Path(cmd[0]).name, proc.returncode, b"".join(tails).decode(errors="replace"),
+    return _report(Path(cmd[0]).name, code, b"".join(tails).decode(errors="replace"),
                    job_dir, watch, start, supervisor.culprit, across=not all_local(job),
                    aborted=records.aborted if own_cleanup else None)
 
@@ -270,6 +308,12 @@ class _Supervisor:
         """The pids of the ranks on this host that have not been seen to end."""
         return [pid for rank, (pid, host) in pid_files(self.job_dir).items()
                 if host == HOST and rank not in self.watch.dead]
+
+
+def _every_slot_finished(job: Launch, job_dir: str) -> bool:
+    """A ULFM job's ranks all finished: a replacement's spawned job counts a lost predecessor against
+    mpiexec's exit status, but each slot's last process left its ``exit`` marker, and none raised."""
+    return all_local(job) and not any_record(job_dir) and marked_ranks(job_dir, "exit") >= set(range(job.n))
 
 
 def _clean(job_dir: str, watch: Watch) -> set[int]:

@@ -38,6 +38,7 @@ from .._failure import (
     record_failure,
     send_job_file,
 )
+from ..comm._ulfm import start_early
 from . import _keeper as keeper
 from ._job import ONE_HOST
 
@@ -133,7 +134,7 @@ def fail(exc: BaseException) -> None:
             mpi.COMM_WORLD.Abort(RAISED_STATUS)
     # Exit normally (atexit handlers flush the user's files). Should exit hang, waiting for peers that
     # will never come, the launcher stops this rank: it has seen the failure record.
-    if os.environ.get("PHALANX_BACKEND") in ("gloo", "nccl"):
+    if _skips_finalize():
         _exit_past_torch_teardown(RAISED_STATUS)
     sys.exit(RAISED_STATUS)
 
@@ -177,6 +178,7 @@ def torchrun_variables(env: dict[str, str] | os._Environ[str]) -> dict[str, str]
 
 
 def main() -> None:
+    start_early()  # a replacement spawned into a running MPI job: its survivors wait in MPI_Comm_spawn
     rank = env_rank()  # from the environment: needed before MPI is initialized
     os.environ.update(torchrun_variables(os.environ))
     if os.environ.pop(keeper.ENV, None) and os.environ.get("PHALANX_JOB_DIR"):
@@ -198,7 +200,7 @@ def main() -> None:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code == 0:
             _leave_exit_marker()
-        if os.environ.get("PHALANX_BACKEND") in ("gloo", "nccl"):
+        if _skips_finalize():
             if exc.code is not None and not isinstance(exc.code, int):
                 print(exc.code, file=sys.stderr)  # what sys.exit("message") prints
             _exit_past_torch_teardown(code)
@@ -206,15 +208,26 @@ def main() -> None:
         raise
     except KeyboardInterrupt as exc:
         traceback.print_exception(_user_frames(exc))
-        if os.environ.get("PHALANX_BACKEND") in ("gloo", "nccl"):
+        if _skips_finalize():
             _exit_past_torch_teardown(130)
         _abort_at_exit(130)
         sys.exit(130)
     except BaseException as exc:  # noqa: BLE001 - every uncaught error must end the job
         fail(exc)
     _leave_exit_marker()
-    if os.environ.get("PHALANX_BACKEND") in ("gloo", "nccl"):
+    if _skips_finalize():
         _exit_past_torch_teardown(0)
+
+
+def _skips_finalize() -> bool:
+    """Whether this rank ends past its library's teardown (:func:`_exit_past_torch_teardown`): gloo and
+    nccl ranks, and the MPI ranks of a world that re-formed in place under ULFM: Open MPI 5.0.11's
+    ``MPI_Finalize`` corrupts its heap (``ompi_dpm_dyn_finalize``) once a spawned replacement has died.
+    Its exit marker is left first and ``phalanx.shutdown`` (an exit handler) agrees with the peers, so
+    every rank has finished before any leaves; ``phalanx run`` then reads mpirun's complaint about a rank
+    that did not finalize against those markers (:mod:`._mpiexec`)."""
+    backend = os.environ.get("PHALANX_BACKEND")
+    return backend in ("gloo", "nccl") or backend == "mpi" and os.environ.get("PHALANX_ELASTIC") == "ulfm"
 
 
 def _exit_past_torch_teardown(code: int) -> None:

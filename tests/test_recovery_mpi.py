@@ -1,0 +1,162 @@
+"""An MPI world that re-forms in place: ``phalanx run --backend mpi --max-restarts K`` (or ``--min-ranks M``).
+
+Under Open MPI 5 the launcher runs ``mpirun --with-ft ulfm`` and ``fit(elastic=True)`` keeps the survivors:
+MPI itself tells them of a lost rank, they shrink the communicator to the live processes, and spawn a
+replacement per lost rank while ``--max-restarts`` allow (``phalanx/comm/_ulfm.py``). The same training
+program as ``test_recovery.py`` (gloo), the same checks. Elsewhere (MPICH) an MPI job restarts whole, and the
+launcher says so. Run under Open MPI by ``.ci/run`` (``.venv-ompi``); under MPICH only the last test runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+from conftest import AVAILABLE
+from test_recovery import SIGKILL, SIGSTOP, TRAIN, Job, _equal_to_reference, _final, _finished, _initial, _killed, \
+    _stalls
+
+from phalanx.launch._mpi_flavor import find_mpiexec, mpiexec_flavor
+
+pytestmark = pytest.mark.skipif("mpi" not in AVAILABLE or "gloo" not in AVAILABLE, reason="needs MPI and torch")
+
+
+def _ulfm() -> bool:
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        return False
+    flavor = mpiexec_flavor(mpiexec)
+    return flavor.family == "openmpi" and flavor.version[:1] >= (5,)
+
+
+ULFM = _ulfm()
+needs_ulfm = pytest.mark.skipif(not ULFM, reason="needs Open MPI 5 (ULFM); .ci/run runs this file under .venv-ompi")
+
+
+def _run(marks: str, n: int, flags: list[str], env: dict[str, str], timeout: float, program: str = TRAIN) -> Job:
+    os.makedirs(marks, exist_ok=True)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", str(n), "--backend", "mpi", *flags, program],
+                          capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", MARKS=marks, **env))
+    return Job(marks, done.returncode, done.stdout + done.stderr, time.monotonic() - start)
+
+
+def _left_behind(marks: str) -> list[str]:
+    """This job's processes still running (their command line names the marks folder in the environment)."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if f"MARKS={marks}".encode() in f.read().split(b"\0"):
+                        out.append(pid)
+            except OSError:
+                continue
+    return out
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
+    if not ULFM:
+        pytest.skip("needs Open MPI 5 (ULFM)")
+    root = tmp_path_factory.mktemp("recovery-mpi")
+    out: dict[str, Job] = {}
+    for name, steps in (("reference-300", 300), ("reference-100", 100)):
+        marks = str(root / name)
+        os.makedirs(marks)
+        subprocess.run([sys.executable, TRAIN], check=True, timeout=120, env=dict(
+            os.environ, OMP_NUM_THREADS="1", MARKS=marks, STEPS=str(steps)))
+        out[name] = Job(marks, 0, "", 0.0)
+    out["replaced"] = _run(str(root / "replaced"), 4, ["--timeout", "10", "--max-restarts", "3"],
+                           {"KILLS": json.dumps([[50, 1, SIGKILL], [120, 0, SIGKILL], [200, 2, SIGKILL]])}, 300)
+    out["shrunk"] = _run(str(root / "shrunk"), 4, ["--timeout", "10", "--min-ranks", "2"],
+                         {"KILLS": json.dumps([[30, 3, SIGKILL], [60, 0, SIGKILL]]), "STEPS": "100"}, 200)
+    out["floor"] = _run(str(root / "floor"), 3, ["--timeout", "10", "--min-ranks", "2"],
+                        {"KILLS": json.dumps([[10, 1, SIGKILL], [20, 0, SIGKILL]]), "STEPS": "100"}, 200)
+    out["stalled"] = _run(str(root / "stalled"), 3, ["--timeout", "3", "--min-ranks", "2"],
+                          {"KILLS": json.dumps([[20, 1, SIGSTOP]]), "STEPS": "100"}, 200)
+    return out
+
+
+def _reference(jobs: dict[str, Job], steps: int) -> Any:
+    return _final(jobs[f"reference-{steps}"].files("final-*.pt")[0])
+
+
+REPLACED = {
+    "exits_0_without_a_whole_restart": lambda job: (job.code == 0 and "restart 1 of" not in job.output
+                                                    and all(d["restart_count"] == "0" for d in job.done())),
+    "survivors_keep_their_pids": lambda job: (
+        len(_initial(job)) == 4 and _finished(job) & _initial(job) == _initial(job) - _killed(job)
+        and len(_initial(job) - _killed(job)) == 2),
+    "three_replacements_join_in_the_epoch_of_the_loss": lambda job: (
+        len(job.pids_started() - _initial(job)) == 3 and len(job.kills()) == 3
+        and _finished(job) - _initial(job) == job.pids_started() - _initial(job) - _killed(job)
+        and all(d["joined"] for d in job.done() if d["pid"] not in _initial(job))
+        and job.output.count("spawned 1 replacement(s)") == 3),
+    "every_finisher_ends_in_epoch_3_of_4_ranks": lambda job: (
+        len(job.done()) == 4 and {(d["size"], d["epoch"]) for d in job.done()} == {(4, 3)}),
+    "a_replacement_keeps_the_slot_of_the_rank_it_replaces": lambda job: (
+        sorted(d["slot"] for d in job.done()) == [0, 1, 2, 3]),
+    "rank_0_is_among_the_killed": lambda job: os.path.exists(os.path.join(job.marks, "kill-120-0")),
+    "nothing_is_left_behind": lambda job: not _left_behind(job.marks),
+}
+
+
+@needs_ulfm
+@pytest.mark.parametrize("behaviour", sorted(REPLACED))
+def test_mpi_killed_ranks_are_replaced_in_place_under_ulfm(jobs: dict[str, Job], behaviour: str) -> None:
+    job = jobs["replaced"]
+    assert REPLACED[behaviour](job), job.output[-4000:]
+
+
+@needs_ulfm
+def test_mpi_killed_ranks_are_replaced_in_place_stall_at_most_13_s(jobs: dict[str, Job]) -> None:
+    stalls = _stalls(jobs["replaced"])
+    assert len(stalls) == 3 and max(stalls) <= 13.0, (stalls, jobs["replaced"].output[-3000:])
+
+
+@needs_ulfm
+def test_mpi_killed_ranks_are_replaced_in_place_equal_to_the_uninterrupted_run(jobs: dict[str, Job]) -> None:
+    _equal_to_reference(jobs["replaced"], _reference(jobs, 300))
+
+
+@needs_ulfm
+def test_mpi_min_ranks_shrinks_in_place_to_3_then_2_ranks_equal_to_the_uninterrupted_run(jobs: dict[str, Job]) -> None:
+    job = jobs["shrunk"]
+    assert job.code == 0 and "restart 1 of" not in job.output, job.output[-3000:]
+    assert {(d["size"], d["epoch"]) for d in job.done()} == {(2, 2)}, job.output[-3000:]
+    assert _finished(job) == _initial(job) - _killed(job)
+    _equal_to_reference(job, _reference(jobs, 100))
+
+
+@needs_ulfm
+def test_mpi_fewer_survivors_than_min_ranks_end_with_quorum_lost_and_nothing_left_behind(jobs: dict[str, Job]) -> None:
+    job = jobs["floor"]
+    assert job.code != 0 and "QuorumLostError" in job.output and "fewer than --min-ranks 2" in job.output, \
+        job.output[-3000:]
+    assert not job.done() and not _left_behind(job.marks)
+
+
+@needs_ulfm
+def test_mpi_a_stalled_rank_ends_the_job_within_the_timeout_naming_why(jobs: dict[str, Job]) -> None:
+    """MPI cannot remove a live process from a communicator: the survivors' shrink waits the timeout + 5 s,
+    then every rank ends, saying so (gloo's launcher kills the stalled rank and goes on instead)."""
+    job = jobs["stalled"]
+    assert job.code != 0 and "stalled outside MPI" in job.output, job.output[-3000:]
+    assert job.seconds < 60 and not job.done() and not _left_behind(job.marks), (job.seconds, job.output[-3000:])
+
+
+@pytest.mark.skipif(ULFM, reason="under Open MPI 5 the world re-forms in place (the tests above)")
+def test_mpi_without_ulfm_restarts_whole_and_the_launcher_says_so(tmp_path: Any) -> None:
+    script = tmp_path / "ok.py"
+    script.write_text("import phalanx\nphalanx.init()\nphalanx.barrier()\n")
+    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", "2", "--backend", "mpi", "--max-restarts", "1",
+                           str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "an MPI job restarts whole after a failure (re-forming in place needs Open MPI 5's ULFM" in done.stderr
