@@ -5,7 +5,7 @@
     python benchmarks/recovery.py                                   # phalanx only
     python benchmarks/recovery.py --torchft-python /path/venv/bin/python --json benchmarks/results/recovery.json
 
-Every job is ``phalanx run --backend gloo`` of ``benchmarks/recovery_worker.py`` (``fit(elastic=True)``,
+Every job is ``phalanx run --backend gloo`` (``--backend mpi``: Open MPI 5's ULFM) of ``benchmarks/recovery_worker.py`` (``fit(elastic=True)``,
 Adam, an MLP whose fp32 parameters and Adam moments make ``STATE_MB``):
 
 * **stall**: 4 ranks, 100 MB of state, ``--timeout 10 --max-restarts 3``; ranks 1, 0 and 2 are SIGKILLed
@@ -38,12 +38,13 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "recovery_worker.py")
+BACKEND = ["gloo"]  # --backend
 
 
 def _job(n: int, flags: list[str], env: dict[str, str], timeout: float) -> tuple[str, str]:
     """Run one job; returns (its marks directory, its output). Raises with the output when it fails."""
     marks = tempfile.mkdtemp(prefix="phalanx-recovery-")
-    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", str(n), "--backend", "gloo", *flags, WORKER],
+    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", str(n), "--backend", BACKEND[0], *flags, WORKER],
                           capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1", MARKS=marks, **env))
     if done.returncode != 0:
@@ -125,7 +126,9 @@ def main() -> None:
     parser.add_argument("--sizes-mb", default="10,100,1000")
     parser.add_argument("--torchft-python", help="an interpreter with torchft installed: its figures beside ours")
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "mpi"], help="mpi: under Open MPI 5 (ULFM)")
     args = parser.parse_args()
+    BACKEND[0] = args.backend
     started = time.time()
     result: dict[str, Any] = {"stall": stall(args.repeats),
                               "receive": receive([float(s) for s in args.sizes_mb.split(",")], args.repeats)}
@@ -133,7 +136,8 @@ def main() -> None:
         result["torchft"] = torchft(args.torchft_python, 3)
     result["wall_s"] = time.time() - started
     s = result["stall"]
-    print(f"phalanx, 4 ranks, {s['state_mb']} MB of state: {s['failures']} kills, stall median "
+    result["backend"] = args.backend
+    print(f"phalanx {args.backend}, 4 ranks, {s['state_mb']} MB of state: {s['failures']} kills, stall median "
           f"{s['median_stall_s']:.2f} s (max {s['max_stall_s']:.2f} s), re-forming median {s['median_reform_s']:.2f} s")
     for row in result["receive"]:
         print(f"phalanx, a replacement receives {row['received_mb']:.0f} MB of state in {row['median_s']:.2f} s")

@@ -2,7 +2,7 @@
 
 Under Open MPI 5 the launcher runs ``mpirun --with-ft ulfm`` and ``fit(elastic=True)`` keeps the survivors:
 MPI itself tells them of a lost rank, they shrink the communicator to the live processes, and spawn a
-replacement per lost rank while ``--max-restarts`` allow (``phalanx/comm/_ulfm.py``). The same training
+replacement per lost rank while ``--max-restarts`` allow (``phalanx/_epochs_ulfm.py``). The same training
 program as ``test_recovery.py`` (gloo), the same checks. Elsewhere (MPICH) an MPI job restarts whole, and the
 launcher says so. Run under Open MPI by ``.ci/run`` (``.venv-ompi``); under MPICH only the last test runs.
 """
@@ -17,11 +17,21 @@ import time
 from typing import Any
 
 import pytest
-from conftest import AVAILABLE
-from test_recovery import SIGKILL, SIGSTOP, TRAIN, Job, _equal_to_reference, _final, _finished, _initial, _killed, \
-    _stalls
 
+from conftest import AVAILABLE
 from phalanx.launch._mpi_flavor import find_mpiexec, mpiexec_flavor
+from test_recovery import (
+    SIGKILL,
+    SIGSTOP,
+    TRAIN,
+    Job,
+    _equal_to_reference,
+    _final,
+    _finished,
+    _initial,
+    _killed,
+    _stalls,
+)
 
 pytestmark = pytest.mark.skipif("mpi" not in AVAILABLE or "gloo" not in AVAILABLE, reason="needs MPI and torch")
 

@@ -228,7 +228,9 @@ _MEMBERSHIP: Membership | None = None
 _REBINDS: list[Callable[[Epoch], None]] = []
 
 
-ULFM = "ulfm"  # ELASTIC_ENV's value in an MPI job under Open MPI's ULFM (phalanx.comm._ulfm): no store
+COMMAND_ENV = "PHALANX_RANK_COMMAND"  # ULFM: JSON, the command every rank runs (a replacement is spawned with it)
+REPLACEMENTS_ENV = "PHALANX_REPLACEMENTS"  # ULFM: how many replacements the ranks may spawn (--max-restarts)
+ULFM = "ulfm"  # ELASTIC_ENV's value in an MPI job under Open MPI's ULFM (phalanx._epochs_ulfm): no store
 
 
 def ulfm() -> bool:
@@ -240,7 +242,7 @@ def ulfm() -> bool:
 def why_not_continue(last: int, survivors: int, members: int, min_ranks: int, seen_exit: bool) -> str | None:
     """Why the survivors of an epoch of ``last`` ranks cannot continue as a world of ``members``
     (survivors plus replacements), or None where they can: the one rule of who continues (the
-    launcher's :mod:`phalanx.launch._epochs` and ULFM's :mod:`phalanx.comm._ulfm` both ask it).
+    launcher's :mod:`phalanx.launch._epochs` and ULFM's :mod:`phalanx._epochs_ulfm` both ask it).
     Only a strict majority of the last epoch continues, or survivors whose missing peers were seen
     to exit (``seen_exit``: so a partition never splits a job in two), never fewer than ``min_ranks``."""
     if members < min_ranks:
@@ -271,15 +273,14 @@ def membership() -> Membership | None:
     return _MEMBERSHIP
 
 
-def first_epoch(timeout: float) -> Epoch:
-    """Connect to the launcher's store and return the epoch this process starts in (``init`` calls it)."""
+def first_epoch(timeout: float, make: Callable[[int, float], Membership] | None = None) -> Epoch:
+    """Connect to the launcher's store (or, with ``make(member, timeout)``, make another membership of the
+    same contract: ULFM's, :mod:`._epochs_ulfm`) and return the epoch this process starts in (``init`` calls it)."""
     global _MEMBERSHIP
     if _MEMBERSHIP is None:
         member = os.environ.get(MEMBER_ENV, os.environ.get("RANK", "0"))
-        if ulfm():
-            from .comm._ulfm import UlfmMembership
-
-            _MEMBERSHIP = UlfmMembership(int(member), timeout)  # type: ignore[assignment]  # the same contract
+        if make is not None:
+            _MEMBERSHIP = make(int(member), timeout)
         else:
             _MEMBERSHIP = Membership(os.environ[ELASTIC_ENV].strip(), int(member),
                                      os.environ.get(JOINING_ENV) == "1", timeout)

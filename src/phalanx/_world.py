@@ -309,7 +309,12 @@ def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, tim
     mark_rank("init")  # for `phalanx run --start-timeout`: this rank has reached init
     epoch = None
     if name in ("gloo", "nccl", "torch", "mpi") and _epochs.available(name):  # this job's worlds re-form
-        epoch = _epochs.first_epoch(seconds)
+        make = None
+        if name == "mpi":  # Open MPI 5's ULFM re-forms the communicator; no launcher's store
+            from ._epochs_ulfm import UlfmMembership
+
+            make = UlfmMembership
+        epoch = _epochs.first_epoch(seconds, make)  # type: ignore[arg-type]  # the same contract
     impl = make_backend(name, timeout=seconds, gpu_aware_mpi=gpu_aware_mpi if gpu_aware_mpi is not None
                          else settings.gpu_aware_mpi, devices=devices, epoch=epoch)
     world = World(impl, timeout=seconds, check=settings.check if check is None else check,

@@ -42,8 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._epochs import ELASTIC_ENV, JOINING_ENV, MEMBER_ENV
-from .._epochs import why_not_continue
+from .._epochs import ELASTIC_ENV, JOINING_ENV, MEMBER_ENV, why_not_continue
 from ._job import Launch, notice
 from ._jobdir import any_record
 from ._procs import signal_name

@@ -20,20 +20,19 @@ import time
 from pathlib import Path
 from typing import IO
 
-from .._epochs import ELASTIC_ENV, ULFM
+from .._epochs import COMMAND_ENV, ELASTIC_ENV, REPLACEMENTS_ENV, ULFM
 from .._errors import LaunchError
 from .._failure import RAISED_STATUS
 from . import _keeper as keeper
-from ..comm._ulfm import COMMAND_ENV, REPLACEMENTS_ENV
 from ._job import GRACE, ONE_HOST, Launch, Signals, all_local, notice, worker_command
 from ._jobdir import any_record, marked_ranks, pid_files, read_records, read_statuses
 from ._logs import FileFollower, log_path, pump
 from ._mpi_deaths import HOST, RecordSink, Watch, can_watch_deaths, deaths_from
 from ._mpi_flavor import (
     FORKER,
+    INSTALL_HINT,
     LOOPBACK_ENV,
     Flavor,
-    INSTALL_HINT,
     check_library,
     find_mpiexec,
     hydra_args,
@@ -107,7 +106,7 @@ def mpi_command(job: Launch, env: dict[str, str], job_dir: str) -> tuple[list[st
 
 def in_place_mpi(job: Launch, flavor: Flavor, env: dict[str, str], ours: list[str]) -> bool:
     """Whether ``job``'s world re-forms in place (``--max-restarts`` or ``--min-ranks`` under Open MPI 5's
-    ULFM: :mod:`phalanx.comm._ulfm`); then the ranks' variables for it are set in ``env`` and named in
+    ULFM: :mod:`phalanx._epochs_ulfm`); then the ranks' variables for it are set in ``env`` and named in
     ``ours``. Elsewhere (MPICH, Open MPI 4) an MPI job restarts whole, as the launcher says."""
     if not (job.max_restarts or job.min_ranks is not None):
         return False

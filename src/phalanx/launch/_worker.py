@@ -38,7 +38,6 @@ from .._failure import (
     record_failure,
     send_job_file,
 )
-from ..comm._ulfm import start_early
 from . import _keeper as keeper
 from ._job import ONE_HOST
 
@@ -178,7 +177,10 @@ def torchrun_variables(env: dict[str, str] | os._Environ[str]) -> dict[str, str]
 
 
 def main() -> None:
-    start_early()  # a replacement spawned into a running MPI job: its survivors wait in MPI_Comm_spawn
+    if os.environ.get("PHALANX_JOINING") == "1" and os.environ.get("PHALANX_ELASTIC") == "ulfm":
+        from .._epochs_ulfm import start_early
+
+        start_early()  # a replacement spawned into a running MPI job: its survivors wait in MPI_Comm_spawn
     rank = env_rank()  # from the environment: needed before MPI is initialized
     os.environ.update(torchrun_variables(os.environ))
     if os.environ.pop(keeper.ENV, None) and os.environ.get("PHALANX_JOB_DIR"):

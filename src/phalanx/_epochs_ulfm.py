@@ -35,15 +35,13 @@ import threading
 import time
 from typing import Any
 
-from .._epochs import JOINING_ENV, MEMBER_ENV, Epoch, why_not_continue
-from .._errors import QuorumLostError, RendezvousError
-from .._failure import RAISED_STATUS, record_failure
-from ._mpilib import import_mpi
+from ._epochs import COMMAND_ENV, JOINING_ENV, MEMBER_ENV, REPLACEMENTS_ENV, Epoch, why_not_continue
+from ._errors import QuorumLostError, RendezvousError
+from ._failure import RAISED_STATUS, record_failure
+from .comm._mpilib import import_mpi
 
-__all__ = ["COMMAND_ENV", "REPLACEMENTS_ENV", "UlfmMembership", "start_early"]
+__all__ = ["UlfmMembership", "start_early"]
 
-COMMAND_ENV = "PHALANX_RANK_COMMAND"  # JSON: the command every rank runs (what a replacement is spawned with)
-REPLACEMENTS_ENV = "PHALANX_REPLACEMENTS"  # how many replacements the ranks may spawn (--max-restarts)
 _GRACE = 5.0  # beyond the timeout: how long a shrink, or a replacement's start, may take
 
 
@@ -116,7 +114,7 @@ class UlfmMembership:
     def reform(self, reason: str) -> Epoch:
         """Shrink to the live processes, spawn replacements while allowed; the new :class:`Epoch`."""
         assert self.epoch is not None and self.comm is not None  # internal invariant: a formed world
-        MPI, old = self.MPI, self.epoch
+        old = self.epoch
         self.announce(reason)
         shrunk = self._shrink(old)
         survivors = self._survivors(shrunk, old)
@@ -131,7 +129,8 @@ class UlfmMembership:
                 f"phalanx.reform: epoch {old.number} of {old.size} rank(s) lost member(s) {list(lost)} ({reason}); "
                 f"the {len(survivors)} survivor(s) cannot continue: {why}. The job ends; lower --min-ranks, or "
                 "restart it from its checkpoint.")
-        comm, joined = shrunk, ()
+        comm: Any = shrunk
+        joined: tuple[int, ...] = ()
         if spawn > 0:
             comm, joined = self._spawn(shrunk, [m for m in lost][:spawn])
             self.left -= spawn
