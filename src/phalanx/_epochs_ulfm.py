@@ -134,6 +134,7 @@ class UlfmMembership:
         if spawn > 0:
             comm, joined = self._spawn(shrunk, [m for m in lost][:spawn])
             self.left -= spawn
+        self._drop([m for m in lost][spawn:] if spawn > 0 else list(lost), first=shrunk.Get_rank() == 0)
         old_comm, self.comm, self._revoked = self.comm, comm, False
         old_comm.Free()
         members = survivors + joined
@@ -145,40 +146,57 @@ class UlfmMembership:
         return self.epoch
 
     # -- how -------------------------------------------------------------------------------
+    def _drop(self, members: list[int], first: bool) -> None:
+        """Slots whose lost process no replacement takes: ``dropped-rank<slot>`` in the launcher's job
+        directory (written by the first survivor), so ``phalanx run`` does not wait for their exit marker."""
+        job_dir = os.environ.get("PHALANX_JOB_DIR")
+        if not first or not job_dir:
+            return
+        for m in members:
+            try:
+                open(os.path.join(job_dir, f"dropped-rank{self.slots[m]}"), "wb").close()
+            except OSError:
+                pass  # the launcher's report loses only this detail
+
     def _shrink(self, old: Epoch) -> Any:
-        """The current communicator without its failed processes. Blocking: Open MPI 5.0's
-        ``MPI_Comm_ishrink`` fails with ``MPI_ERR_INTERN``, so a timer bounds the wait instead: past the
-        timeout + 5 s (a live rank that never calls into MPI again) this rank records why and ends."""
+        """The current communicator without its failed processes (blocking: Open MPI 5.0's
+        ``MPI_Comm_ishrink`` fails with ``MPI_ERR_INTERN``; :meth:`_within` bounds the wait)."""
         MPI = self.MPI
-        limit = self.timeout + _GRACE
+        try:
+            shrunk = self._within(
+                self.comm.Shrink, f"epoch {old.number}'s survivors waited {self.timeout + _GRACE:g} s for every "
+                "live rank to re-form, and some did not: a rank that is alive but never calls into MPI again "
+                "(stalled outside MPI) cannot be removed from an MPI world")
+        except MPI.Exception as exc:
+            raise RendezvousError(f"phalanx.reform: the survivors could not shrink epoch {old.number}'s "
+                                  f"communicator ({exc.Get_error_string()})") from None
+        shrunk.Set_errhandler(MPI.ERRORS_RETURN)
+        return shrunk
+
+    def _within(self, call: Any, what: str) -> Any:
+        """``call()`` (a blocking MPI call with no non-blocking form that works here), bounded by a timer:
+        past the timeout + 5 s this rank records a QuorumLostError saying ``what`` and ends (the others
+        do the same, or see it gone), so that a job never hangs in MPI."""
         done = threading.Event()
 
         def expire() -> None:
             if done.is_set():
                 return
-            exc = QuorumLostError(
-                f"phalanx.reform: epoch {old.number}'s survivors waited {limit:g} s for every live rank to re-form, "
-                "and some did not: a rank that is alive but never calls into MPI again (stalled outside MPI) "
-                "cannot be removed from an MPI world. The job ends (restarted whole under --max-restarts); "
-                "find the stalled rank with `phalanx run --log-dir`.")
+            exc = QuorumLostError(f"phalanx.reform: {what}. The job ends (restarted whole under --max-restarts); "
+                                  "`phalanx run --log-dir` keeps each rank's output.")
             record_failure(QuorumLostError, exc, None)
             sys.stderr.write(f"{exc}\n")
             sys.stderr.flush()
             os._exit(RAISED_STATUS)
 
-        timer = threading.Timer(limit, expire)
+        timer = threading.Timer(self.timeout + _GRACE, expire)
         timer.daemon = True
         timer.start()
         try:
-            shrunk = self.comm.Shrink()
-        except MPI.Exception as exc:
-            raise RendezvousError(f"phalanx.reform: the survivors could not shrink epoch {old.number}'s "
-                                  f"communicator ({exc.Get_error_string()})") from None
+            return call()
         finally:
             done.set()
             timer.cancel()
-        shrunk.Set_errhandler(MPI.ERRORS_RETURN)
-        return shrunk
 
     def _survivors(self, shrunk: Any, old: Epoch) -> tuple[int, ...]:
         """The members in the shrunk communicator, in their order there (ULFM keeps the old order)."""
@@ -199,11 +217,15 @@ class UlfmMembership:
             env = {JOINING_ENV: "1", MEMBER_ENV: str(new), "RANK": str(self.slots[lost])}
             info.Set("PMIX_ENVAR", "\n".join(f"{k}={v}" for k, v in env.items()))
             info.Set("host", self.hosts[lost])
-            info.Set("PMIX_MAPBY", ":OVERSUBSCRIBE")  # the lost rank's slot is free, but the runtime may not know
+            # the lost rank's core is free, but the runtime keeps it allotted: without this it retries forever
+            info.Set("map_by", "slot:OVERSUBSCRIBE")
             infos.append(info)
         try:
-            inter = shrunk.Spawn_multiple([command[0]] * len(ids), [command[1:]] * len(ids), [1] * len(ids),
-                                          infos, root=0)
+            inter = self._within(
+                lambda: shrunk.Spawn_multiple([command[0]] * len(ids), [command[1:]] * len(ids), [1] * len(ids),
+                                              infos, root=0),
+                f"the survivors could not start the replacement(s) for member(s) {replacing} within "
+                f"{self.timeout + _GRACE:g} s (mpirun's output says why)")
         except MPI.Exception as exc:
             raise RendezvousError(f"phalanx.reform: could not start the replacement(s) for member(s) {replacing}: "
                                   f"{exc}") from None

@@ -55,8 +55,13 @@ def reform(reason: str | None = None) -> Epoch:
     old.mark_broken(f"the world was re-formed after epoch {getattr(old, 'epoch', 0)}: "
                     "this handle or group belongs to the old one")
     ms.announce(why)  # first: the old group's peers stop waiting, and its teardown need not wait for them
+    old.backend.revoke()  # and their calls on its communicators (MPI under ULFM) fail at once
     old.release()
-    new_epoch = ms.reform(why)
+    try:
+        new_epoch = ms.reform(why)
+    except RendezvousError as exc:  # (ULFM) a shrink or a replacement's start failed: shrink again
+        raise RankFailedError(f"phalanx.reform: epoch {getattr(old, 'epoch', 0)} could not re-form ({exc}). "
+                              "Call phalanx.reform() again (fit(elastic=True) does).") from None
     try:
         reformed(old, new_epoch)
     except RendezvousError as exc:  # a member of the new epoch was lost while it formed: again
@@ -70,8 +75,8 @@ def reform(reason: str | None = None) -> Epoch:
 def reformed(old: _world.World, epoch: Epoch) -> _world.World:
     """The world of ``epoch``, made and installed in place of ``old`` (released already): the same
     backend kind and settings, this process's new rank and size (:func:`reform`)."""
-    impl = _world.make_backend(old.backend.name, timeout=old.timeout, gpu_aware_mpi=None, devices=old.devices,
-                         epoch=epoch)
+    impl = _world.make_backend(old.backend.name, timeout=old.timeout, gpu_aware_mpi=getattr(old.backend, "gpu_aware", None),
+                         devices=old.devices, epoch=epoch)
     world = _world.World(impl, timeout=old.timeout, check=old.checks, debug=old.debug, devices=old.devices)
     world.epoch = epoch.number
     world.retry_mismatch = old.retry_mismatch

@@ -114,6 +114,9 @@ class LocalBackend:
                  members_only: bool = False) -> LocalBackend:
         return LocalBackend()  # a world of one has only the group [0]
 
+    def revoke(self) -> None:
+        """Nothing to revoke: peers learn of a re-forming world from the launcher's store (gloo, nccl)."""
+
     def shutdown(self) -> None:
         return None
 

@@ -413,6 +413,14 @@ class MPIBackend(MPIShardOps):
             except Exception:  # noqa: BLE001 - freeing after a failure may itself fail
                 pass
 
+    def revoke(self) -> None:
+        """Revoke this backend's communicators (ULFM's ``MPI_Comm_revoke``): the peers' pending and next
+        calls on them fail at once with ``MPI_ERR_REVOKED``; a duplicate is not revoked with its parent."""
+        comms = [self.comm, self._diag, *([self._ring.comm] if self._ring is not None else [])]
+        for comm in comms:
+            with contextlib.suppress(Exception):  # revoked by a peer already, or no ULFM: nothing to do
+                comm.Revoke()
+
     def abort(self, code: int) -> None:
         """End the job with ``MPI_Abort(code)``, then this process (:func:`._mpilib.abort_job`)."""
         abort_job(self.MPI, code)

@@ -365,6 +365,9 @@ class TorchBackend(TorchBuffers, TorchShardOps):
         self._wait(self._dist.all_reduce(token, async_op=True), timeout)
 
     # -- lifecycle --------------------------------------------------------------
+    def revoke(self) -> None:
+        """Nothing to revoke: peers learn of a re-forming world from the launcher's store (gloo, nccl)."""
+
     def shutdown(self) -> None:
         """Destroy the process group if this backend made it (a user's own is left alone), or the
         group's of a :meth:`subgroup` backend (the world's is left alone).

@@ -311,8 +311,11 @@ class _Supervisor:
 
 def _every_slot_finished(job: Launch, job_dir: str) -> bool:
     """A ULFM job's ranks all finished: a replacement's spawned job counts a lost predecessor against
-    mpiexec's exit status, but each slot's last process left its ``exit`` marker, and none raised."""
-    return all_local(job) and not any_record(job_dir) and marked_ranks(job_dir, "exit") >= set(range(job.n))
+    mpiexec's exit status, but each slot's last process left its ``exit`` marker (or the survivors
+    marked the slot ``dropped``: not refilled), and none raised. On one host only: the markers of ranks
+    on other hosts do not reach this job directory."""
+    ended = marked_ranks(job_dir, "exit") | marked_ranks(job_dir, "dropped")
+    return all_local(job) and not any_record(job_dir) and ended >= set(range(job.n))
 
 
 def _clean(job_dir: str, watch: Watch) -> set[int]:

@@ -241,8 +241,8 @@ def _exit_past_torch_teardown(code: int) -> None:
     after a timeout, with a store call abandoned in a thread), which would turn
     a success into a failure and a failure's exit status 1 into a signal.
     Python's own exit work (atexit handlers: the user's files, loggers) runs
-    first; only the C++ destructors are skipped. MPI ranks never take this
-    path: they must finalize.
+    first; only the C++ destructors are skipped. MPI ranks must finalize, and
+    take this path only under ULFM (:func:`_skips_finalize`).
     """
     import atexit
 
