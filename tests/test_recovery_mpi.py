@@ -126,9 +126,11 @@ def test_mpi_killed_ranks_are_replaced_in_place_under_ulfm(jobs: dict[str, Job],
 
 
 @needs_ulfm
-def test_mpi_killed_ranks_are_replaced_in_place_stall_at_most_13_s(jobs: dict[str, Job]) -> None:
+def test_mpi_killed_ranks_are_replaced_in_place_stall_at_most_30_s(jobs: dict[str, Job]) -> None:
+    """A shrink and a spawned replacement take ~3.5 s here (benchmarks/README.md), but 2 kills in 9 of the
+    benchmark stalled 9.3 and 18.2 s: the bound is the survivors' timeout (10 s) + 5 s + a start, not 13 s."""
     stalls = _stalls(jobs["replaced"])
-    assert len(stalls) == 3 and max(stalls) <= 13.0, (stalls, jobs["replaced"].output[-3000:])
+    assert len(stalls) == 3 and max(stalls) <= 30.0, (stalls, jobs["replaced"].output[-3000:])
 
 
 @needs_ulfm
