@@ -68,7 +68,9 @@ def job_listeners(tmp_path: Path, backend: str) -> tuple[dict[int, set], dict[st
                                  str(script), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while not all((tmp_path / f"up{r}").exists() for r in range(RANKS)):
+        # each rank writes its pid into up<r>: wait until every file holds it (created is not yet written)
+        while not all((tmp_path / f"up{r}").exists() and (tmp_path / f"up{r}").read_text().strip()
+                      for r in range(RANKS)):
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
             time.sleep(0.05)
         pids = {int((tmp_path / f"up{r}").read_text()): r for r in range(RANKS)}
