@@ -69,9 +69,14 @@ def test_a_failed_elastic_job_resumes_from_its_last_commit_and_ends_as_an_uninte
 
 @pytest.mark.skipif("gloo" not in AVAILABLE, reason="needs the gloo backend")
 def test_horovodrun_min_np_resets_in_place_after_a_killed_rank(tmp_path) -> None:
-    out = str(tmp_path)
-    code, text, seconds = _run(out, "--min-np", "2", "--timeout", "10", fail="kill", n="3", backend="gloo")
-    print(f"\ngloo: 3 ranks, one killed, reset in place: {seconds:.1f} s")
+    reset_in_place(str(tmp_path), "gloo")
+
+
+def reset_in_place(out: str, backend: str) -> None:
+    """``horovodrun --<backend> -np 3 --min-np 2``, one rank SIGKILLed: the two others reset in place and
+    finish every epoch's samples (also run on mpi under Open MPI 5's ULFM, by test_recovery_mpi.py)."""
+    code, text, seconds = _run(out, "--min-np", "2", "--timeout", "10", fail="kill", n="3", backend=backend)
+    print(f"\n{backend}: 3 ranks, one killed, reset in place: {seconds:.1f} s")
     assert code == 0, text
     assert "reset in place: epoch 1, 2 rank(s)" in text, text
     assert "restart 1 of" not in text, text

@@ -46,6 +46,7 @@ def _ulfm() -> bool:
 
 
 ULFM = _ulfm()
+IN_FLIGHT = os.path.join(os.path.dirname(__file__), "program_lost_in_flight.py")
 needs_ulfm = pytest.mark.skipif(not ULFM, reason="needs Open MPI 5 (ULFM); .ci/run runs this file under .venv-ompi")
 
 
@@ -92,6 +93,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
                         {"KILLS": json.dumps([[10, 1, SIGKILL], [20, 0, SIGKILL]]), "STEPS": "100"}, 200)
     out["stalled"] = _run(str(root / "stalled"), 3, ["--timeout", "3", "--min-ranks", "2"],
                           {"KILLS": json.dumps([[20, 1, SIGSTOP]]), "STEPS": "100"}, 200)
+    out["in_flight"] = _run(str(root / "in-flight"), 5, ["--timeout", "10", "--min-ranks", "2"], {"PHALANX_CHECK": "0"},
+                            120, program=IN_FLIGHT)
     return out
 
 
@@ -123,11 +126,10 @@ def test_mpi_killed_ranks_are_replaced_in_place_under_ulfm(jobs: dict[str, Job],
 
 
 @needs_ulfm
-def test_mpi_killed_ranks_are_replaced_in_place_stall_at_most_30_s(jobs: dict[str, Job]) -> None:
-    """A shrink and a spawned replacement take ~3.5 s here (benchmarks/README.md), but 2 kills in 9 of the
-    benchmark stalled 9.3 and 18.2 s: the bound is the survivors' timeout (10 s) + 5 s + a start, not 13 s."""
+def test_mpi_killed_ranks_are_replaced_in_place_stall_at_most_13_s(jobs: dict[str, Job]) -> None:
+    """A shrink and a spawned replacement take ~3.5 s here (benchmarks/README.md); gloo's bound holds."""
     stalls = _stalls(jobs["replaced"])
-    assert len(stalls) == 3 and max(stalls) <= 30.0, (stalls, jobs["replaced"].output[-3000:])
+    assert len(stalls) == 3 and max(stalls) <= 13.0, (stalls, jobs["replaced"].output[-3000:])
 
 
 @needs_ulfm
@@ -159,6 +161,35 @@ def test_mpi_a_stalled_rank_ends_the_job_within_the_timeout_naming_why(jobs: dic
     job = jobs["stalled"]
     assert job.code != 0 and "stalled outside MPI" in job.output, job.output[-3000:]
     assert job.seconds < 60 and not job.done() and not _left_behind(job.marks), (job.seconds, job.output[-3000:])
+
+
+@needs_ulfm
+@pytest.mark.parametrize("what", ["bucket", "handle", "group"])
+def test_mpi_a_peer_lost_while_a_polled_operation_is_in_flight_raises_rank_failed_and_the_survivors_reform(
+        jobs: dict[str, Job], what: str) -> None:
+    """A gradient bucket's allreduce polled from a later backward hook, and ``handle.test()``: the failure MPI
+    reports there (``MPI_ERR_REVOKED``, ``MPI_ERR_PROC_FAILED``) is a RankFailedError, so fit(elastic=True)
+    re-forms (``tests/program_lost_in_flight.py``); never the transport's own error, which ended the job. A
+    group's call waiting on a rank that re-forms the world stops at once: the group is revoked with it."""
+    job = jobs["in_flight"]
+    every = [json.loads(open(path).read()) for path in job.files("in-flight-*.json")]  # what each rank saw
+    seen = [one for one in every if what in one]  # the survivors of this part (the lost rank wrote none)
+    finished = [one for one in every if "end" in one]
+    assert job.code == 0 and len(seen) == {"bucket": 4, "handle": 3, "group": 2}[what], job.output[-3000:]
+    for one in seen:
+        assert one[what].startswith("phalanx._errors.RankFailedError: phalanx."), one.get(what + "-trace", one)
+        assert one[what + "-zero_grad"] == "ok", one  # as fit does: the open reduction of a broken world is dropped
+    assert len(finished) == 2 and all(one["end"] == [3, 2, 2.0] and one["same-after-step"] for one in finished)
+    if what == "group":  # rank 0 waited in the group's call on rank 1: re-forming revoked it (the timeout is 10 s)
+        assert max(one["group-seconds"] for one in seen) < 5.0, seen
+
+
+@needs_ulfm
+def test_mpi_horovodrun_min_np_resets_in_place_after_a_killed_rank(tmp_path: Any) -> None:
+    """hvd.elastic on mpi: ``horovodrun --mpi -np 3 --min-np 2``, as test_horovod_elastic.py runs on gloo."""
+    from test_horovod_elastic import reset_in_place
+
+    reset_in_place(str(tmp_path), "mpi")
 
 
 @pytest.mark.skipif(ULFM, reason="under Open MPI 5 the world re-forms in place (the tests above)")

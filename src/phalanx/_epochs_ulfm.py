@@ -38,6 +38,7 @@ from typing import Any
 from ._epochs import COMMAND_ENV, JOINING_ENV, MEMBER_ENV, REPLACEMENTS_ENV, Epoch, why_not_continue
 from ._errors import QuorumLostError, RendezvousError
 from ._failure import RAISED_STATUS, record_failure
+from .comm._mpi import REVOKED
 from .comm._mpilib import import_mpi
 
 __all__ = ["UlfmMembership", "start_early"]
@@ -136,7 +137,7 @@ class UlfmMembership:
             self.left -= spawn
         self._drop([m for m in lost][spawn:] if spawn > 0 else list(lost), first=shrunk.Get_rank() == 0)
         old_comm, self.comm, self._revoked = self.comm, comm, False
-        old_comm.Free()
+        REVOKED.append(old_comm)  # never freed (comm/_mpi.py says why)
         members = survivors + joined
         self.epoch = Epoch(old.number + 1, comm.Get_rank(), comm.Get_size(), members, lost=lost, joined=joined,
                            previous_rank=old.rank)
@@ -160,20 +161,22 @@ class UlfmMembership:
 
     def _shrink(self, old: Epoch) -> Any:
         """The current communicator without its failed processes (blocking: Open MPI 5.0's
-        ``MPI_Comm_ishrink`` fails with ``MPI_ERR_INTERN``; :meth:`_within` bounds the wait)."""
+        ``MPI_Comm_ishrink`` fails with ``MPI_ERR_INTERN``; :meth:`within` bounds the wait)."""
         MPI = self.MPI
         try:
-            shrunk = self._within(
+            shrunk = self.within(
                 self.comm.Shrink, f"epoch {old.number}'s survivors waited {self.timeout + _GRACE:g} s for every "
                 "live rank to re-form, and some did not: a rank that is alive but never calls into MPI again "
-                "(stalled outside MPI) cannot be removed from an MPI world")
+                "(stalled outside MPI) cannot be removed from an MPI world, nor one that ended itself with a "
+                "non-zero status (os._exit(3)): Open MPI 5's ULFM reports a process killed by a signal or "
+                "exiting 0, not that")
         except MPI.Exception as exc:
             raise RendezvousError(f"phalanx.reform: the survivors could not shrink epoch {old.number}'s "
                                   f"communicator ({exc.Get_error_string()})") from None
         shrunk.Set_errhandler(MPI.ERRORS_RETURN)
         return shrunk
 
-    def _within(self, call: Any, what: str) -> Any:
+    def within(self, call: Any, what: str) -> Any:
         """``call()`` (a blocking MPI call with no non-blocking form that works here), bounded by a timer:
         past the timeout + 5 s this rank records a QuorumLostError saying ``what`` and ends (the others
         do the same, or see it gone), so that a job never hangs in MPI."""
@@ -221,7 +224,7 @@ class UlfmMembership:
             info.Set("map_by", "slot:OVERSUBSCRIBE")
             infos.append(info)
         try:
-            inter = self._within(
+            inter = self.within(
                 lambda: shrunk.Spawn_multiple([command[0]] * len(ids), [command[1:]] * len(ids), [1] * len(ids),
                                               infos, root=0),
                 f"the survivors could not start the replacement(s) for member(s) {replacing} within "
@@ -233,16 +236,15 @@ class UlfmMembership:
             for info in infos:
                 info.Free()
         self._handshake("phalanx.reform (the replacements reaching phalanx.init)", inter)
-        merged = inter.Merge(high=False)
-        inter.Disconnect()
-        merged.Set_errhandler(MPI.ERRORS_RETURN)
+        merged = self._merge(inter, high=False)
         for new, lost in zip(ids, replacing, strict=True):
             self.hosts[new], self.slots[new] = self.hosts[lost], self.slots[lost]
         self.next_id += len(ids)
         state = {"epoch": self.epoch.number + 1 if self.epoch else 0, "hosts": self.hosts, "slots": self.slots,
                  "target": self.target, "next_id": self.next_id, "left": self.left - len(ids),
                  "members": list(self._survivors(shrunk, self.epoch)) + list(ids)}  # type: ignore[arg-type]
-        merged.bcast(json.dumps(state), root=0)
+        self._forming(lambda: merged.bcast(json.dumps(state), root=0), "the new epoch's state did not reach "
+                      f"every rank within {self.timeout + _GRACE:g} s")
         return merged, ids
 
     def _joined(self) -> Epoch:
@@ -250,10 +252,9 @@ class UlfmMembership:
         MPI, inter = self.MPI, self.parent
         inter.Set_errhandler(MPI.ERRORS_RETURN)
         self._handshake("phalanx.init (a replacement meeting the survivors)", inter)
-        merged = inter.Merge(high=True)
-        inter.Disconnect()
-        merged.Set_errhandler(MPI.ERRORS_RETURN)
-        state = json.loads(merged.bcast(None, root=0))
+        merged = self._merge(inter, high=True)
+        state = json.loads(self._forming(lambda: merged.bcast(None, root=0), "the new epoch's state did not "
+                                         f"reach this replacement within {self.timeout + _GRACE:g} s"))
         self.hosts = {int(k): v for k, v in state["hosts"].items()}
         self.slots = {int(k): int(v) for k, v in state["slots"].items()}
         self.target, self.next_id, self.left = state["target"], state["next_id"], state["left"]
@@ -261,6 +262,24 @@ class UlfmMembership:
         self.comm = merged
         self.epoch = Epoch(state["epoch"], merged.Get_rank(), merged.Get_size(), members)
         return self.epoch
+
+    def _merge(self, inter: Any, high: bool) -> Any:
+        """The intercommunicator's two sides as one communicator (blocking calls, bounded by :meth:`within`:
+        a side whose handshake timed out raises instead of merging, and its peers must not wait forever)."""
+        what = f"the survivors and the replacement(s) did not all merge within {self.timeout + _GRACE:g} s"
+        merged = self._forming(lambda: inter.Merge(high=high), what)
+        self._forming(inter.Disconnect, what)
+        merged.Set_errhandler(self.MPI.ERRORS_RETURN)
+        return merged
+
+    def _forming(self, call: Any, what: str) -> Any:
+        """``call()`` while a new epoch forms, bounded by :meth:`within`; an MPI error (a process lost
+        meanwhile) is a RendezvousError, which ``reform()`` turns into a RankFailedError to retry on."""
+        try:
+            return self.within(call, what)
+        except self.MPI.Exception as exc:
+            raise RendezvousError(f"phalanx.reform: a process was lost while the new epoch formed "
+                                  f"({exc.Get_error_string()})") from None
 
     def _bounded(self, what: str, comm: Any) -> None:
         """A barrier on ``comm`` that waits at most the timeout + 5 s (RendezvousError naming ``what``):

@@ -91,7 +91,12 @@ class Handle:
         if not self.post(block=False):
             return False
         assert self._request is not None
-        return self._request.test()
+        try:
+            with self._world.guard(self._call):  # a lost peer: RankFailedError, here as from wait()
+                return self._request.test()
+        except PhalanxError as exc:
+            self._error = exc
+            raise
 
     def wait(self) -> Any:
         """Block until done (bounded by the world's timeout) and return the result."""

@@ -340,8 +340,13 @@ def make_backend(name: str, *, timeout: float, gpu_aware_mpi: bool | None,
     if name == "mpi":
         from .comm._mpi import MPIBackend
 
-        ms = _epochs.membership() if epoch is not None else None
-        return MPIBackend(gpu_aware_mpi=gpu_aware_mpi, base=getattr(ms, "comm", None))
+        ms: Any = _epochs.membership() if epoch is not None else None  # an UlfmMembership (_epochs_ulfm.py)
+        if ms is None or epoch is None:
+            return MPIBackend(gpu_aware_mpi=gpu_aware_mpi)
+        # an epoch's (ULFM): its blocking MPI_Comm_dup on a re-formed communicator is bounded by a timer
+        return cast(Backend, ms.within(lambda: MPIBackend(gpu_aware_mpi=gpu_aware_mpi, base=ms.comm),
+                                       f"the ranks of epoch {epoch.number} did not finish making its communicators "
+                                       "(MPI_Comm_dup) in time"))
     from .comm._torch import TorchBackend
 
     if epoch is None:

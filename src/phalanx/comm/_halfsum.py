@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ._mpilib import lost_peer_on_mpi_error
 from ._wait import poll
 
 __all__ = ["MIN_BYTES", "HalfSum", "eligible"]
@@ -48,6 +49,7 @@ class HalfSum:
     __slots__ = ("_comm", "_size", "_op", "_x", "_flat", "_out", "_recv", "_mine", "_n", "_c", "_req",
                  "_phase", "_result", "_torch")
 
+    @lost_peer_on_mpi_error
     def __init__(self, comm: Any, size: int, x: Any, op: str, inplace: bool) -> None:
         self._comm, self._size, self._op = comm, size, op
         self._torch = not isinstance(x, np.ndarray)
@@ -94,6 +96,7 @@ class HalfSum:
             total /= size
         return total.to(self._x.dtype) if self._torch else total.astype(_F16)
 
+    @lost_peer_on_mpi_error
     def test(self) -> bool:
         if self._phase == 1 and self._req.Test():
             self._mine = self._reduce_mine()  # kept alive until the gather completes

@@ -40,6 +40,8 @@ from __future__ import annotations
 import array
 import contextlib
 import copy
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -58,6 +60,7 @@ from ._mpilib import (
     diagnose,
     group_comms,
     import_mpi,
+    lost_peer_on_mpi_error,
     mpi_available,
     preconnect,
 )
@@ -66,6 +69,14 @@ from ._staging import back_to_device, to_host
 from ._wait import poll
 
 __all__ = ["MPIBackend", "detect_gpu_aware", "mpi_available"]
+
+REVOKED: list[Any] = []
+"""Revoked communicators (a re-formed world's, :meth:`MPIBackend.revoke`), kept until the process ends:
+freed, Open MPI 5.0.11 reuses their context id while a request on them is still pending (a bucket's
+allreduce that the revocation did not end), and the next epoch's collectives then match the old ones:
+``tests/program_lost_in_flight.py`` saw a poll of a pending allreduce never fail, and the new world's
+``MPI_Comm_dup`` hang on every rank. One set per re-formed world."""
+
 
 class MPIBackend(MPIBuffers, MPIShardOps):
     """Backend over mpi4py; see the module docstring."""
@@ -84,20 +95,23 @@ class MPIBackend(MPIBuffers, MPIShardOps):
             base = MPI.COMM_WORLD
         try:
             comm, diag = base.Dup(), base.Dup()
+            node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+            self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
+            node.Free()
+            if self.local_size < comm.Get_size():  # across hosts, a diagnosis must never open a connection
+                preconnect(diag, DIAG_TAG)
+            rings = _ring.rings_for(MPI, comm, self.local_size)  # rings: large buffers across hosts
         except MPI.Exception as exc:  # a peer of a re-formed world was lost while it formed (phalanx.reform)
-            raise RendezvousError(f"phalanx.init: the world's communicator could not be made ({exc})") from None
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
-        node.Free()
-        if self.local_size < comm.Get_size():  # across hosts, a diagnosis must never open a connection
-            preconnect(diag, DIAG_TAG)
+            raise RendezvousError(f"phalanx.init: the world's communicators could not be made ({exc})") from None
         self.gpu_aware = detect_gpu_aware(MPI) if gpu_aware_mpi is None else bool(gpu_aware_mpi)
         self._ops = {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
         self._bool_ops = {"min": MPI.LAND, "max": MPI.LOR}
         self._max = MPI.MAX
         self._in_place = MPI.IN_PLACE
         self._abandoned: list[tuple[Any, tuple[Any, ...]]] = []  # timed-out data phases (module notes)
-        self._bind(comm, diag, _ring.rings_for(MPI, comm, self.local_size))  # rings: large buffers across hosts
+        self._groups: list[weakref.ref[MPIBackend]] = []  # subgroup()'s backends: revoke() revokes them too
+        self._revoked = False
+        self._bind(comm, diag, rings)
 
     def _bind(self, comm: Any, diag: Any, ring: _ring.Rings | None) -> None:
         """Work on ``comm`` (the world's own duplicate, or a group's), diagnose on ``diag``."""
@@ -124,6 +138,8 @@ class MPIBackend(MPIBuffers, MPIShardOps):
             raise PeerLost(str(exc)) from exc
         sub = copy.copy(self)  # shares _abandoned: MPI may write into those until the process ends
         sub._bind(comm, diag, ring)
+        sub._groups = []
+        self._groups.append(weakref.ref(sub))
         return sub
 
     def __repr__(self) -> str:
@@ -136,34 +152,48 @@ class MPIBackend(MPIBuffers, MPIShardOps):
         chk[0] = signature
         chk[1] = -signature
         req = self._agreement
-        if req is None:
-            req = self.comm.Iallreduce(chk, out, self._max)
-        else:
-            req.Start()
-        if not req.Test():
-            poll(req.Test, timeout)
+        try:
+            if req is None:
+                req = self.comm.Iallreduce(chk, out, self._max)
+            else:
+                req.Start()
+            if not req.Test():
+                poll(req.Test, timeout)
+        except self.MPI.Exception as exc:  # a peer lost (ULFM), as in every data phase
+            raise PeerLost(str(exc)) from exc
         return out[0] == signature and out[1] == -signature
 
+    @lost_peer_on_mpi_error
     def iagree(self, signature: int) -> MPIRequest:
         chk = np.array([signature, -signature], np.int64)
         out = np.empty(2, np.int64)
         req = self.comm.Iallreduce(chk, out, self.MPI.MAX)
         return MPIRequest(req, lambda: bool(out[0] == chk[0] and out[1] == chk[1]), self.MPI.Exception)
 
+    @contextlib.contextmanager
+    def _peer_lost(self) -> Iterator[None]:
+        """An MPI error inside (a peer lost, a revoked communicator: ULFM) is PeerLost, as in a data phase."""
+        try:
+            yield
+        except self.MPI.Exception as exc:
+            raise PeerLost(str(exc)) from exc
+
     def allgather_bytes(self, payload: bytes, timeout: float) -> list[bytes]:
         sizes = np.empty(self.size, np.int64)
-        poll(self.comm.Iallgather(np.array([len(payload)], np.int64), sizes).Test, timeout)
-        recv = np.empty(int(sizes.sum()), np.uint8)
-        send = np.frombuffer(payload, np.uint8)
-        poll(self.comm.Iallgatherv(send, (recv, sizes)).Test, timeout)
+        with self._peer_lost():
+            poll(self.comm.Iallgather(np.array([len(payload)], np.int64), sizes).Test, timeout)
+            recv = np.empty(int(sizes.sum()), np.uint8)
+            send = np.frombuffer(payload, np.uint8)
+            poll(self.comm.Iallgatherv(send, (recv, sizes)).Test, timeout)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         return [recv[offsets[i]:offsets[i + 1]].tobytes() for i in range(self.size)]
 
     def broadcast_bytes(self, payload: bytes | None, root: int, timeout: float) -> bytes:
         size = np.array([len(payload) if self.rank == root and payload is not None else 0], np.int64)
-        poll(self.comm.Ibcast(size, root).Test, timeout)
-        buf = np.frombuffer(payload or b"", np.uint8).copy() if self.rank == root else np.empty(int(size[0]), np.uint8)
-        poll(self.comm.Ibcast(buf, root).Test, timeout)
+        with self._peer_lost():
+            poll(self.comm.Ibcast(size, root).Test, timeout)
+            buf = np.frombuffer(payload or b"", np.uint8).copy() if self.rank == root else np.empty(int(size[0]), np.uint8)
+            poll(self.comm.Ibcast(buf, root).Test, timeout)
         return buf.tobytes()
 
     def diagnose(self, call: str, call_index: int, grace: float) -> tuple[list[int], dict[int, str]]:
@@ -189,10 +219,9 @@ class MPIBackend(MPIBuffers, MPIShardOps):
             raise
 
     def allreduce(self, x: Any, op: str, inplace: bool, timeout: float) -> Any:
-        if self._ring is not None and _ring.eligible(x, op):
-            return self.iallreduce(x, op, inplace).wait(timeout)
-        if inplace and type(x) is np.ndarray and x.dtype in NATIVE_NUMPY_DTYPES:  # the hot path
-            try:
+        if (inplace and type(x) is np.ndarray and x.dtype in NATIVE_NUMPY_DTYPES
+                and (self._ring is None or not _ring.eligible(x, op))):
+            try:  # the hot path, without the wrapper's call
                 req = self.comm.Iallreduce(self._in_place, x, self._ops[op])
                 if not req.Test():
                     self._wait(req, timeout, x)
@@ -201,6 +230,12 @@ class MPIBackend(MPIBuffers, MPIShardOps):
             if op == "avg":
                 x /= self.size
             return x
+        return self._allreduce(x, op, inplace, timeout)
+
+    @lost_peer_on_mpi_error
+    def _allreduce(self, x: Any, op: str, inplace: bool, timeout: float) -> Any:
+        if self._ring is not None and _ring.eligible(x, op):
+            return self.iallreduce(x, op, inplace).wait(timeout)
         if _halfsum.eligible(x, op, self.size):  # 16-bit floats travel as 16 bits
             return _halfsum.HalfSum(self.comm, self.size, x, op, inplace).wait(timeout)
         work, finish = self._reduction_work(x, inplace)
@@ -209,6 +244,7 @@ class MPIBackend(MPIBuffers, MPIShardOps):
             work /= self.size
         return finish(work)
 
+    @lost_peer_on_mpi_error
     def iallreduce(self, x: Any, op: str, inplace: bool) -> Any:
         if self._ring is not None and _ring.eligible(x, op):
             return self._ring.start(x, op, inplace)
@@ -233,16 +269,19 @@ class MPIBackend(MPIBuffers, MPIShardOps):
             return host, self._as_mpi(host)
         return x, self._as_mpi(x)
 
+    @lost_peer_on_mpi_error
     def broadcast(self, x: Any, root: int, inplace: bool, timeout: float) -> Any:
         out, view = self._bcast_buffer(x, inplace)
         self._finish(self.comm.Ibcast(view, root), timeout, view)
         return self._copy_back(x, out)
 
+    @lost_peer_on_mpi_error
     def ibroadcast(self, x: Any, root: int, inplace: bool) -> MPIRequest:
         out, view = self._bcast_buffer(x, inplace)
         req = self.comm.Ibcast(view, root)
         return MPIRequest(req, lambda: self._copy_back(x, out), self.MPI.Exception)
 
+    @lost_peer_on_mpi_error
     def isend(self, x: Any, dst: int, tag: int) -> MPIRequest:
         view = self._as_mpi(self._host_in(x))
 
@@ -251,6 +290,7 @@ class MPIBackend(MPIBuffers, MPIShardOps):
 
         return MPIRequest(self.comm.Isend(view, dest=dst, tag=tag), sent, self.MPI.Exception)
 
+    @lost_peer_on_mpi_error
     def irecv(self, x: Any, src: int, tag: int) -> MPIRequest:
         out, view = self._bcast_buffer(x, True)
         return MPIRequest(self.comm.Irecv(view, source=src, tag=tag), lambda: self._copy_back(x, out),
@@ -261,6 +301,7 @@ class MPIBackend(MPIBuffers, MPIShardOps):
             return back_to_device(out, x) if not out.is_cuda else x.copy_(out)
         return out
 
+    @lost_peer_on_mpi_error
     def reduce(self, x: Any, op: str, root: int, inplace: bool, timeout: float) -> Any:
         if self.rank != root:
             work = self._reduction_work(x, inplace=True)[0]  # a send buffer; x is not written
@@ -277,12 +318,14 @@ class MPIBackend(MPIBuffers, MPIShardOps):
             return x
         return self._as_mpi(self._host_in(x))
 
+    @lost_peer_on_mpi_error
     def allgather(self, x: Any, timeout: float) -> Any:
         out, view = self._new_like(x, (self.size, *x.shape))
         send = self._as_send(x)
         self._finish(self.comm.Iallgather(send, view), timeout, send, view)
         return self._device_out(x, out)
 
+    @lost_peer_on_mpi_error
     def gather(self, x: Any, root: int, timeout: float) -> Any:
         send = self._as_send(x)
         if self.rank != root:
@@ -292,6 +335,7 @@ class MPIBackend(MPIBuffers, MPIShardOps):
         self._finish(self.comm.Igather(send, view, root), timeout, send, view)
         return self._device_out(x, out)
 
+    @lost_peer_on_mpi_error
     def reduce_scatter(self, x: Any, op: str, timeout: float) -> Any:
         shape = (x.shape[0] // self.size, *x.shape[1:])
         work = self._reduction_work(x, inplace=True)[0]  # a send buffer; x is not written
@@ -301,6 +345,7 @@ class MPIBackend(MPIBuffers, MPIShardOps):
             recv /= self.size
         return cast_like(x, recv)
 
+    @lost_peer_on_mpi_error
     def alltoall(self, x: Any, timeout: float) -> Any:
         out, view = self._new_like(x, tuple(x.shape))
         send = self._as_send(x)
@@ -308,13 +353,17 @@ class MPIBackend(MPIBuffers, MPIShardOps):
         return self._device_out(x, out)
 
     def barrier(self, timeout: float) -> None:
-        poll(_ring.advancing(self._ring, self.comm.Ibarrier().Test), timeout)
+        with self._peer_lost():
+            poll(_ring.advancing(self._ring, self.comm.Ibarrier().Test), timeout)
 
     # -- lifecycle --------------------------------------------------------------
     def shutdown(self) -> None:
         if self._agreement is not None:
             with contextlib.suppress(Exception):
                 self._agreement.Free()
+        if self._revoked:  # never freed: see REVOKED
+            REVOKED.append((self.comm, self._diag, self._ring))
+            return
         if self._ring is not None:
             self._ring.free()
         for comm in (self.comm, self._diag):
@@ -325,11 +374,18 @@ class MPIBackend(MPIBuffers, MPIShardOps):
 
     def revoke(self) -> None:
         """Revoke this backend's communicators (ULFM's ``MPI_Comm_revoke``): the peers' pending and next
-        calls on them fail at once with ``MPI_ERR_REVOKED``; a duplicate is not revoked with its parent."""
+        calls on them fail at once with ``MPI_ERR_REVOKED``; a duplicate is not revoked with its parent, nor a
+        group's communicators with the world's: those of :meth:`subgroup` are revoked here too (a member waiting
+        in a group's call on a rank that is re-forming the world stops waiting at once)."""
+        self._revoked = True
         comms = [self.comm, self._diag, *([self._ring.comm] if self._ring is not None else [])]
         for comm in comms:
             with contextlib.suppress(Exception):  # revoked by a peer already, or no ULFM: nothing to do
                 comm.Revoke()
+        for ref in self._groups:
+            group = ref()
+            if group is not None:
+                group.revoke()
 
     def abort(self, code: int) -> None:
         """End the job with ``MPI_Abort(code)``, then this process (:func:`._mpilib.abort_job`)."""

@@ -9,6 +9,7 @@ that names what to install.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import time
@@ -25,6 +26,23 @@ __all__ = ["DIAG_TAG", "MPIRequest", "abort_job", "check_launcher_agrees", "dete
 
 DIAG_TAG = 31_337  # the diagnosis's messages (and preconnect's) on the diagnosis communicator
 _GROUP_TAG = 7_713  # MPI_Comm_create_group's tag (calls are ordered by the world-wide agreement anyway)
+
+
+def lost_peer_on_mpi_error(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, with an mpi4py ``MPI.Exception`` it raises (a lost peer or a revoked communicator, under
+    ULFM: posting an operation fails too, not only its test or wait) raised as PeerLost, which the
+    world turns into RankFailedError naming the call."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except PeerLost:
+            raise
+        except Exception as exc:
+            if type(exc).__module__ == "mpi4py.MPI":
+                raise PeerLost(str(exc)) from exc
+            raise
+    return wrapper
 
 
 def mpi_available() -> bool:

@@ -23,7 +23,7 @@ import numpy as np
 
 from .._arrays import cast_like
 from . import _halfsum
-from ._mpilib import MPIRequest
+from ._mpilib import MPIRequest, lost_peer_on_mpi_error
 
 __all__ = ["MPIShardOps", "TorchShardOps"]
 
@@ -36,6 +36,7 @@ class MPIShardOps:
     (``ShardPlan.gather``): no copy in or out of a gather buffer (the 51.4M-parameter MLP at 2 ranks:
     32 instead of 55 ms per step for its parameters' all-gather)."""
 
+    @lost_peer_on_mpi_error
     def ireduce_scatter(self: Any, x: Any, op: str) -> MPIRequest:
         """Post a reduce-scatter of 1-D ``x`` (``size * k`` elements); the result is this rank's ``k``.
         Half precision is summed in float32 (MPI has no 16-bit sum) and narrowed back; from
@@ -57,6 +58,7 @@ class MPIShardOps:
 
         return MPIRequest(req, complete, self.MPI.Exception)
 
+    @lost_peer_on_mpi_error
     def _ireduce_scatter_16(self: Any, x: Any, op: str) -> MPIRequest:
         """16-bit ``x``: an ``Ialltoall`` of its raw words gives this rank every rank's chunk, added up
         in float32 and rounded to 16 bits once (the first phase of ``_halfsum.HalfSum``)."""
@@ -74,6 +76,7 @@ class MPIShardOps:
 
         return MPIRequest(req, complete, self.MPI.Exception)
 
+    @lost_peer_on_mpi_error
     def iallgather_into(self: Any, x: Any, out: Any) -> MPIRequest:
         """Post an all-gather of 1-D ``x`` into 1-D ``out`` (rank ``r``'s at ``[r*k, (r+1)*k)``)."""
         host = out.cpu() if self._staged(out) else out  # a CUDA output staged on the host

@@ -220,12 +220,16 @@ class GradientBuckets:
         p.grad = self.views[i]
 
     def _progress(self) -> None:
+        """Note the buckets done so far, in order (a backend's test raises PeerLost where MPI saw a peer fail)."""
         t = self._tested
-        while t < self._launched and self.buckets[t].request.test():
-            if _trace.ON:
-                _trace.bucket_done(self.buckets[t])
-            t += 1
-        self._tested = t
+        try:
+            with self.world.guard(self.call):  # a RankFailedError, as from the wait: fit(elastic=True) re-forms
+                while t < self._launched and self.buckets[t].request.test():
+                    if _trace.ON:
+                        _trace.bucket_done(self.buckets[t])
+                    t += 1
+        finally:
+            self._tested = t
 
     # -- launching and completing ----------------------------------------------
     def _launch(self, b: int) -> None:

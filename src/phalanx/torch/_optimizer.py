@@ -320,8 +320,10 @@ class DistributedOptimizer(EngineOwner, SharedWithWrapped, torch.optim.Optimizer
         return engine.in_flight or engine.unreduced or engine.reductions == self._reduced_at_step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad``; an error while a reduction is in flight."""
-        if self._engine.in_flight:
+        """The wrapped optimizer's ``zero_grad``; an error while a reduction is in flight, unless its world
+        broke (a lost peer, e.g. raised from a backward hook): those reductions can never complete, and the
+        next backward, or :meth:`rebind` after :func:`phalanx.reform`, starts afresh."""
+        if self._engine.in_flight and self._engine.world.broken is None:
             raise self._in_flight("zero_grad")
         self.optimizer.zero_grad(set_to_none=set_to_none)
         if self._sharding is not None:
