@@ -93,6 +93,11 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
                         {"KILLS": json.dumps([[10, 1, SIGKILL], [20, 0, SIGKILL]]), "STEPS": "100"}, 200)
     out["stalled"] = _run(str(root / "stalled"), 3, ["--timeout", "3", "--min-ranks", "2"],
                           {"KILLS": json.dumps([[20, 1, SIGSTOP]]), "STEPS": "100"}, 200)
+    # one budget: a replacement in place (step 10), a whole restart after a stall (step 20); the restarted job's
+    # kill (step 40) finds --max-restarts 2 used up, and the survivors go on without a replacement
+    out["budget"] = _run(str(root / "budget"), 3, ["--timeout", "3", "--max-restarts", "2"],
+                         {"KILLS": json.dumps([[10, 1, SIGKILL], [20, 1, SIGSTOP], [40, 2, SIGKILL]]), "STEPS": "100"},
+                         200)
     out["in_flight"] = _run(str(root / "in-flight"), 5, ["--timeout", "10", "--min-ranks", "2"], {"PHALANX_CHECK": "0"},
                             120, program=IN_FLIGHT)
     return out
@@ -161,6 +166,15 @@ def test_mpi_a_stalled_rank_ends_the_job_within_the_timeout_naming_why(jobs: dic
     job = jobs["stalled"]
     assert job.code != 0 and "stalled outside MPI" in job.output, job.output[-3000:]
     assert job.seconds < 60 and not job.done() and not _left_behind(job.marks), (job.seconds, job.output[-3000:])
+
+
+@needs_ulfm
+def test_mpi_replacements_in_place_and_whole_restarts_share_one_max_restarts_budget(jobs: dict[str, Job]) -> None:
+    job = jobs["budget"]
+    assert job.code == 0 and "restart 1 of 2" in job.output and "restart 2 of" not in job.output, job.output[-3000:]
+    assert job.output.count("spawned 1 replacement(s)") == 1, job.output[-3000:]  # in the first attempt only
+    assert {(d["size"], d["epoch"]) for d in job.done()} == {(2, 1)}, job.output[-3000:]  # the restart: 3 -> 2
+    _equal_to_reference(job, _reference(jobs, 100))  # the restart trained from step 0 again (no checkpoint)
 
 
 @needs_ulfm

@@ -135,7 +135,9 @@ class UlfmMembership:
         if spawn > 0:
             comm, joined = self._spawn(shrunk, [m for m in lost][:spawn])
             self.left -= spawn
-        self._drop([m for m in lost][spawn:] if spawn > 0 else list(lost), first=shrunk.Get_rank() == 0)
+        first = shrunk.Get_rank() == 0
+        self._mark("dropped", [m for m in lost][spawn:] if spawn > 0 else list(lost), first)
+        self._mark("replaced", [m for m in lost][:max(spawn, 0)], first, f"-e{old.number + 1}")
         old_comm, self.comm, self._revoked = self.comm, comm, False
         REVOKED.append(old_comm)  # never freed (comm/_mpi.py says why)
         members = survivors + joined
@@ -147,17 +149,19 @@ class UlfmMembership:
         return self.epoch
 
     # -- how -------------------------------------------------------------------------------
-    def _drop(self, members: list[int], first: bool) -> None:
-        """Slots whose lost process no replacement takes: ``dropped-rank<slot>`` in the launcher's job
-        directory (written by the first survivor), so ``phalanx run`` does not wait for their exit marker."""
+    def _mark(self, kind: str, members: list[int], first: bool, tag: str = "") -> None:
+        """Tell the launcher about these members' slots: ``<kind>-rank<slot><tag>`` in its job directory
+        (written by the first survivor). ``dropped``: a lost process no replacement takes, so ``phalanx
+        run`` does not wait for its exit marker; ``replaced`` (one per epoch): a replacement spawned, which
+        counts against ``--max-restarts`` with the whole restarts, as on gloo."""
         job_dir = os.environ.get("PHALANX_JOB_DIR")
         if not first or not job_dir:
             return
         for m in members:
             try:
-                open(os.path.join(job_dir, f"dropped-rank{self.slots[m]}"), "wb").close()
+                open(os.path.join(job_dir, f"{kind}-rank{self.slots[m]}{tag}"), "wb").close()
             except OSError:
-                pass  # the launcher's report loses only this detail
+                pass  # the launcher's report (or its budget) loses only this detail
 
     def _shrink(self, old: Epoch) -> Any:
         """The current communicator without its failed processes (blocking: Open MPI 5.0's

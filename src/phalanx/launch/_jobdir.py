@@ -22,7 +22,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["any_record", "marked_ranks", "pid_files", "read_records", "read_statuses"]
+__all__ = ["any_record", "marked_ranks", "pid_files", "read_records", "read_statuses", "replaced_slots"]
 
 
 def _names(job_dir: str) -> list[str]:
@@ -37,6 +37,14 @@ def marked_ranks(job_dir: str, kind: str) -> set[int]:
     prefix = f"{kind}-rank"
     return {int(name[len(prefix):]) for name in _names(job_dir)
             if name.startswith(prefix) and name[len(prefix):].isdigit()}
+
+
+def replaced_slots(job_dir: str) -> list[int]:
+    """The slots refilled in place by the ranks themselves (MPI under ULFM: ``replaced-rank<slot>-e<epoch>``),
+    one entry per replacement."""
+    prefix = "replaced-rank"
+    return sorted(int(name[len(prefix):].split("-")[0]) for name in _names(job_dir)
+                  if name.startswith(prefix) and name[len(prefix):].split("-")[0].isdigit())
 
 
 def any_record(job_dir: str) -> bool:

@@ -25,7 +25,7 @@ from .._errors import LaunchError
 from .._failure import RAISED_STATUS
 from . import _keeper as keeper
 from ._job import GRACE, ONE_HOST, Launch, Signals, all_local, notice, worker_command
-from ._jobdir import any_record, marked_ranks, pid_files, read_records, read_statuses
+from ._jobdir import any_record, marked_ranks, pid_files, read_records, read_statuses, replaced_slots
 from ._logs import FileFollower, log_path, pump
 from ._mpi_deaths import HOST, RecordSink, Watch, can_watch_deaths, deaths_from
 from ._mpi_flavor import (
@@ -120,7 +120,9 @@ def in_place_mpi(job: Launch, flavor: Flavor, env: dict[str, str], ours: list[st
         del env["OMPI_MCA_btl"]
     restarts = int(env.get("PHALANX_RESTART_COUNT", "0") or 0)
     env.update({ELASTIC_ENV: ULFM, COMMAND_ENV: json.dumps(worker_command(job.target)),
-                REPLACEMENTS_ENV: str(max(0, job.max_restarts - restarts)), "PHALANX_MIN_RANKS": str(job.min_ranks or 1)})
+                # one budget, as on gloo: the whole restarts so far and the replacements spawned in them
+                REPLACEMENTS_ENV: str(max(0, job.max_restarts - restarts - len(job.replaced))),
+                "PHALANX_MIN_RANKS": str(job.min_ranks or 1)})
     ours += [ELASTIC_ENV, COMMAND_ENV, REPLACEMENTS_ENV, "PHALANX_MIN_RANKS"]
     return True
 
@@ -153,6 +155,8 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
                 stream.close()
         if follower is not None:
             follower.stop()
+    if env.get(ELASTIC_ENV) == ULFM:  # the replacements the ranks spawned count against --max-restarts
+        job.replaced.extend(replaced_slots(job_dir))
     if signals.received:
         return signals.exit_code
     if proc.returncode != 0 and env.get(ELASTIC_ENV) == ULFM and _every_slot_finished(job, job_dir):
