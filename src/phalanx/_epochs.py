@@ -229,6 +229,7 @@ _REBINDS: list[Callable[[Epoch], None]] = []
 
 
 COMMAND_ENV = "PHALANX_RANK_COMMAND"  # ULFM: JSON, the command every rank runs (a replacement is spawned with it)
+FORWARDED_ENV = "PHALANX_FORWARDED"  # ULFM: the variables phalanx run forwards to every rank (comma-separated)
 REPLACEMENTS_ENV = "PHALANX_REPLACEMENTS"  # ULFM: how many replacements the ranks may spawn (--max-restarts)
 ULFM = "ulfm"  # ELASTIC_ENV's value in an MPI job under Open MPI's ULFM (phalanx._epochs_ulfm): no store
 

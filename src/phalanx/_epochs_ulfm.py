@@ -35,7 +35,15 @@ import threading
 import time
 from typing import Any
 
-from ._epochs import COMMAND_ENV, JOINING_ENV, MEMBER_ENV, REPLACEMENTS_ENV, Epoch, why_not_continue
+from ._epochs import (
+    COMMAND_ENV,
+    FORWARDED_ENV,
+    JOINING_ENV,
+    MEMBER_ENV,
+    REPLACEMENTS_ENV,
+    Epoch,
+    why_not_continue,
+)
 from ._errors import QuorumLostError, RendezvousError
 from ._failure import RAISED_STATUS, record_failure
 from .comm._mpi import REVOKED
@@ -46,11 +54,40 @@ __all__ = ["UlfmMembership", "start_early"]
 _GRACE = 5.0  # beyond the timeout: how long a shrink, or a replacement's start, may take
 
 
+_ENV_TAG = 8  # the survivors' environment for a replacement (start_early)
+
+
 def start_early() -> None:
     """In a spawned replacement (``PHALANX_JOINING=1`` under ULFM): initialize MPI now, before the user's
-    imports, so the survivors' ``MPI_Comm_spawn`` returns at once; the worker calls it first."""
-    if os.environ.get(JOINING_ENV) == "1" and os.environ.get("PHALANX_ELASTIC") == "ulfm":
-        import_mpi()
+    imports, so the survivors' ``MPI_Comm_spawn`` returns at once; the worker calls it first. Then take the
+    variables ``phalanx run`` forwarded to every rank from the first survivor (on another host than
+    mpirun's, a spawned process has only the daemon's environment): those this process lacks are set."""
+    if os.environ.get(JOINING_ENV) != "1" or os.environ.get("PHALANX_ELASTIC") != "ulfm":
+        return
+    MPI = import_mpi()
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        return
+    parent.Set_errhandler(MPI.ERRORS_RETURN)
+    deadline = time.monotonic() + float(os.environ.get("PHALANX_TIMEOUT", "300") or 300) + _GRACE
+    status = MPI.Status()
+    try:
+        while not parent.Iprobe(source=0, tag=_ENV_TAG, status=status):
+            if time.monotonic() > deadline:
+                return  # the handshake that follows says what went wrong
+            time.sleep(0.001)
+        buf = bytearray(status.Get_count(MPI.BYTE))
+        parent.Recv([buf, MPI.BYTE], source=0, tag=_ENV_TAG)
+    except MPI.Exception:
+        return  # likewise
+    for name, value in json.loads(bytes(buf)).items():
+        os.environ.setdefault(name, value)
+
+
+def _forwarded() -> bytes:
+    """What a replacement gets from :func:`start_early`: the forwarded variables but this process's own."""
+    names = set(os.environ.get(FORWARDED_ENV, "").split(",")) - {JOINING_ENV, MEMBER_ENV, "RANK", ""}
+    return json.dumps({name: os.environ[name] for name in sorted(names) if name in os.environ}).encode()
 
 
 class UlfmMembership:
@@ -80,7 +117,13 @@ class UlfmMembership:
         """The epoch this process starts in: 0 for the job's first ranks, the admitting one for a replacement."""
         MPI = self.MPI
         if self.joining:
-            return self._joined()
+            try:
+                return self._joined()
+            except RendezvousError as exc:  # the survivors gave up on this replacement, and go on without it
+                sys.stderr.write(f"phalanx: a replacement (slot {os.environ.get('RANK', '?')}) was not admitted, "
+                                 f"and leaves: {exc}\n")
+                sys.stderr.flush()
+                os._exit(0)
         comm = MPI.COMM_WORLD.Dup()
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         self._bounded("phalanx.init", comm)
@@ -134,7 +177,6 @@ class UlfmMembership:
         joined: tuple[int, ...] = ()
         if spawn > 0:
             comm, joined = self._spawn(shrunk, [m for m in lost][:spawn])
-            self.left -= spawn
         first = shrunk.Get_rank() == 0
         self._mark("dropped", [m for m in lost][spawn:] if spawn > 0 else list(lost), first)
         self._mark("replaced", [m for m in lost][:max(spawn, 0)], first, f"-e{old.number + 1}")
@@ -221,7 +263,7 @@ class UlfmMembership:
         for new, lost in zip(ids, replacing, strict=True):
             info = MPI.Info.Create()
             # the rest of the environment is mpirun's, as for every rank (MPI_MAX_INFO_VAL: 256 bytes)
-            env = {JOINING_ENV: "1", MEMBER_ENV: str(new), "RANK": str(self.slots[lost])}
+            env = {JOINING_ENV: "1", MEMBER_ENV: str(new), "RANK": str(self.slots[lost]), "PHALANX_ELASTIC": "ulfm"}
             info.Set("PMIX_ENVAR", "\n".join(f"{k}={v}" for k, v in env.items()))
             info.Set("host", self.hosts[lost])
             # the lost rank's core is free, but the runtime keeps it allotted: without this it retries forever
@@ -239,13 +281,14 @@ class UlfmMembership:
         finally:
             for info in infos:
                 info.Free()
-        self._handshake("phalanx.reform (the replacements reaching phalanx.init)", inter)
+        self.left -= len(ids)  # spawned: they count, even if they never join (a retry then spawns fewer)
+        self._handshake("phalanx.reform (the replacements reaching phalanx.init)", inter, _forwarded())
         merged = self._merge(inter, high=False)
         for new, lost in zip(ids, replacing, strict=True):
             self.hosts[new], self.slots[new] = self.hosts[lost], self.slots[lost]
         self.next_id += len(ids)
         state = {"epoch": self.epoch.number + 1 if self.epoch else 0, "hosts": self.hosts, "slots": self.slots,
-                 "target": self.target, "next_id": self.next_id, "left": self.left - len(ids),
+                 "target": self.target, "next_id": self.next_id, "left": self.left,
                  "members": list(self._survivors(shrunk, self.epoch)) + list(ids)}  # type: ignore[arg-type]
         self._forming(lambda: merged.bcast(json.dumps(state), root=0), "the new epoch's state did not reach "
                       f"every rank within {self.timeout + _GRACE:g} s")
@@ -301,17 +344,20 @@ class UlfmMembership:
             raise RendezvousError(f"{what}: a rank was lost while the world formed ({exc.Get_error_string()})") \
                 from None
 
-    def _handshake(self, what: str, inter: Any) -> None:
+    def _handshake(self, what: str, inter: Any, env: bytes | None = None) -> None:
         """Every process on each side of ``inter`` (survivors, replacements) hears from every one on the
         other within the timeout + 5 s, by point-to-point messages (Open MPI 5.0's non-blocking collectives
-        on an intercommunicator fail with ``MPI_ERR_INTERN``); the blocking merge that follows then meets."""
+        on an intercommunicator fail with ``MPI_ERR_INTERN``); the blocking merge that follows then meets.
+        The first survivor also sends each replacement ``env`` (:func:`start_early` waits for it)."""
         MPI = self.MPI
         remote = inter.Get_remote_size()
         token, got = bytearray(b"\x01"), [bytearray(1) for _ in range(remote)]
-        requests = [inter.Isend([token, MPI.BYTE], dest=r, tag=7) for r in range(remote)]
-        requests += [inter.Irecv([got[r], MPI.BYTE], source=r, tag=7) for r in range(remote)]
         deadline = time.monotonic() + self.timeout + _GRACE
-        try:
+        try:  # posting fails too: across hosts, Open MPI 5.0.11's first message to a spawned job (MPI_ERR_INTERN)
+            requests = [inter.Isend([token, MPI.BYTE], dest=r, tag=7) for r in range(remote)]
+            requests += [inter.Irecv([got[r], MPI.BYTE], source=r, tag=7) for r in range(remote)]
+            if env is not None and inter.Get_rank() == 0:
+                requests += [inter.Isend([env, MPI.BYTE], dest=r, tag=_ENV_TAG) for r in range(remote)]
             while not MPI.Request.Testall(requests):
                 if time.monotonic() > deadline:
                     raise RendezvousError(f"{what}: the other side did not answer within {self.timeout + _GRACE:g} "

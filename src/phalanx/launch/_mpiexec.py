@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from .._epochs import COMMAND_ENV, ELASTIC_ENV, REPLACEMENTS_ENV, ULFM
+from .._epochs import COMMAND_ENV, ELASTIC_ENV, FORWARDED_ENV, REPLACEMENTS_ENV, ULFM
 from .._errors import LaunchError
 from .._failure import RAISED_STATUS
 from . import _keeper as keeper
@@ -90,7 +90,11 @@ def mpi_command(job: Launch, env: dict[str, str], job_dir: str) -> tuple[list[st
     if forker is not None:  # no control port (Hydra's binds 0.0.0.0); the keeper reports signals, see run_mpi
         env[keeper.ENV] = "1"
         return [forker, "-n", str(job.n), *worker_command(job.target)], True
-    if flavor.family == "openmpi":
+    if flavor.family == "openmpi":  # every PHALANX_* the ranks' environment has reaches them on every host
+        ours += sorted(name for name in env if name.startswith("PHALANX_") and name not in ours)
+        if in_place:  # and to the replacements the ranks spawn (_epochs_ulfm.start_early)
+            env[FORWARDED_ENV] = ",".join([*ours, FORWARDED_ENV])
+            ours.append(FORWARDED_ENV)
         extra = openmpi_args(job, flavor, env, ours)
         if in_place:  # ULFM: a lost rank's peers are told, and the job goes on (the ranks re-form it)
             cmd = [mpiexec, "-n", str(job.n), "--with-ft", "ulfm", *extra, *placing, *job.mpi_args,
