@@ -206,6 +206,22 @@ def test_mpi_horovodrun_min_np_resets_in_place_after_a_killed_rank(tmp_path: Any
     reset_in_place(str(tmp_path), "mpi")
 
 
+@needs_ulfm
+def test_mpi_in_place_forwards_every_phalanx_variable_to_every_host_and_names_them_for_replacements(
+        tmp_path: Any) -> None:
+    """Open MPI forwards only the variables named with ``-x``; a replacement spawned on another host gets
+    the same ones from the first survivor (``PHALANX_FORWARDED``, read by ``_epochs_ulfm.start_early``)."""
+    from phalanx.launch import Launch
+    from phalanx.launch._mpiexec import mpi_command
+
+    env = {"PATH": os.environ["PATH"], "PHALANX_TEST_SETTING": "1"}
+    job = Launch(n=4, backend="mpi", target=["train.py"], hosts="h0:2,h1:2", max_restarts=1)
+    cmd, _ = mpi_command(job, env, str(tmp_path))
+    forwarded = {cmd[i + 1] for i, arg in enumerate(cmd) if arg == "-x"}
+    assert "--with-ft" in cmd and {"PHALANX_TEST_SETTING", "PHALANX_ELASTIC", "PHALANX_FORWARDED"} <= forwarded, cmd
+    assert set(env["PHALANX_FORWARDED"].split(",")) == forwarded, env["PHALANX_FORWARDED"]
+
+
 @pytest.mark.skipif(ULFM, reason="under Open MPI 5 the world re-forms in place (the tests above)")
 def test_mpi_without_ulfm_restarts_whole_and_the_launcher_says_so(tmp_path: Any) -> None:
     script = tmp_path / "ok.py"
