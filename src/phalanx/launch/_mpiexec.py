@@ -147,6 +147,7 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
     timeout = (job.start_timeout or float("inf")) if all_local(job) else float("inf")
     clock = StartClock(job_dir, job.n, timeout)
     supervisor = _Supervisor(job, proc, job_dir, signals, watch, clock, own_cleanup, records)
+    supervisor.in_place = env.get(ELASTIC_ENV) == ULFM  # a lost rank is the ranks' to handle, not a failure
     try:
         supervisor.run()
     finally:
@@ -233,6 +234,7 @@ class _Supervisor:
         self.forwarded = 0
         self.terminate_at: float | None = None  # when to SIGTERM mpiexec ourselves
         self.kill_at: float | None = None  # when to SIGKILL mpiexec and everything below it
+        self.in_place = False  # the world re-forms in place (ULFM): a rank's end is not the job's
 
     def run(self) -> None:
         while self.proc.poll() is None:
@@ -266,6 +268,11 @@ class _Supervisor:
             self.stop_after_abort(now, self.records.aborted[0])
         elif self.terminate_at is None and self.kill_at is None and any_record(self.job_dir):
             self.terminate_at = now + ABORT_GRACE  # MPI_Abort normally ends the job long before this
+        elif self.terminate_at is None and self.kill_at is None and not self.own_cleanup and not self.in_place \
+                and set(self.watch.dead) - _clean(self.job_dir, self.watch):
+            # a rank here ended unfinished (killed, or aborted inside MPI: no record): mpiexec normally ends
+            # the job at once, but Open MPI 5's can hang in its teardown across hosts after every rank is gone
+            self.terminate_at = now + ABORT_GRACE
         elif self.terminate_at is None and self.kill_at is None and self.clock.overdue(now):
             self.terminate_at = now  # ranks wait in MPI_Init for one that never comes: end it now
         elif self.own_cleanup and self.culprit is None and self.terminate_at is None and self.kill_at is None:
