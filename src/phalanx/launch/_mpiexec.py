@@ -12,7 +12,6 @@ failure records, mpiexec's output and the order the ranks were seen to die).
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import subprocess
 import sys
@@ -20,19 +19,16 @@ import time
 from pathlib import Path
 from typing import IO
 
-from .._epochs import COMMAND_ENV, ELASTIC_ENV, FORWARDED_ENV, REPLACEMENTS_ENV, ULFM
 from .._errors import LaunchError
 from .._failure import RAISED_STATUS
 from . import _keeper as keeper
 from ._job import GRACE, ONE_HOST, Launch, Signals, all_local, notice, worker_command
-from ._jobdir import any_record, marked_ranks, pid_files, read_records, read_statuses, replaced_slots
+from ._jobdir import any_record, marked_ranks, pid_files, read_records, read_statuses
 from ._logs import FileFollower, log_path, pump
 from ._mpi_deaths import HOST, RecordSink, Watch, can_watch_deaths, deaths_from
 from ._mpi_flavor import (
     FORKER,
     INSTALL_HINT,
-    LOOPBACK_ENV,
-    Flavor,
     check_library,
     find_mpiexec,
     hydra_args,
@@ -42,6 +38,7 @@ from ._mpi_flavor import (
     single_host_forker,
 )
 from ._mpi_hosts import host_args
+from ._mpi_in_place import count_replacements, every_slot_finished, in_place_mpi, name_forwarded, re_forms
 from ._procs import child_setup, descendants, kill_pids
 from ._report import failure_report, first_failure
 from ._spawn import free_port
@@ -92,9 +89,8 @@ def mpi_command(job: Launch, env: dict[str, str], job_dir: str) -> tuple[list[st
         return [forker, "-n", str(job.n), *worker_command(job.target)], True
     if flavor.family == "openmpi":  # every PHALANX_* the ranks' environment has reaches them on every host
         ours += sorted(name for name in env if name.startswith("PHALANX_") and name not in ours)
-        if in_place:  # and to the replacements the ranks spawn (_epochs_ulfm.start_early)
-            env[FORWARDED_ENV] = ",".join([*ours, FORWARDED_ENV])
-            ours.append(FORWARDED_ENV)
+        if in_place:
+            name_forwarded(env, ours)
         extra = openmpi_args(job, flavor, env, ours)
         if in_place:  # ULFM: a lost rank's peers are told, and the job goes on (the ranks re-form it)
             cmd = [mpiexec, "-n", str(job.n), "--with-ft", "ulfm", *extra, *placing, *job.mpi_args,
@@ -106,29 +102,6 @@ def mpi_command(job: Launch, env: dict[str, str], job_dir: str) -> tuple[list[st
             env[keeper.ENV] = "1"
     cmd = [mpiexec, "-n", str(job.n), *extra, *placing, *job.mpi_args, *worker_command(job.target)]
     return cmd, bool(extra) and local
-
-
-def in_place_mpi(job: Launch, flavor: Flavor, env: dict[str, str], ours: list[str]) -> bool:
-    """Whether ``job``'s world re-forms in place (``--max-restarts`` or ``--min-ranks`` under Open MPI 5's
-    ULFM: :mod:`phalanx._epochs_ulfm`); then the ranks' variables for it are set in ``env`` and named in
-    ``ours``. Elsewhere (MPICH, Open MPI 4) an MPI job restarts whole, as the launcher says."""
-    if not (job.max_restarts or job.min_ranks is not None):
-        return False
-    if flavor.family != "openmpi" or flavor.version[:1] < (5,):
-        notice(f"--max-restarts/--min-ranks with {flavor.banner.splitlines()[0] if flavor.banner else 'this MPI'}: "
-               "an MPI job restarts whole after a failure (re-forming in place needs Open MPI 5's ULFM; "
-               "docs/cluster.md, \"Restarts\").")
-        return False
-    if job.max_restarts and env.get("OMPI_MCA_btl") == LOOPBACK_ENV["OMPI_MCA_btl"]:
-        # a replacement is another MPI job, which shared memory does not reach: TCP, confined to loopback
-        del env["OMPI_MCA_btl"]
-    restarts = int(env.get("PHALANX_RESTART_COUNT", "0") or 0)
-    env.update({ELASTIC_ENV: ULFM, COMMAND_ENV: json.dumps(worker_command(job.target)),
-                # one budget, as on gloo: the whole restarts so far and the replacements spawned in them
-                REPLACEMENTS_ENV: str(max(0, job.max_restarts - restarts - len(job.replaced))),
-                "PHALANX_MIN_RANKS": str(job.min_ranks or 1)})
-    ours += [ELASTIC_ENV, COMMAND_ENV, REPLACEMENTS_ENV, "PHALANX_MIN_RANKS"]
-    return True
 
 
 def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) -> int:
@@ -147,7 +120,7 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
     timeout = (job.start_timeout or float("inf")) if all_local(job) else float("inf")
     clock = StartClock(job_dir, job.n, timeout)
     supervisor = _Supervisor(job, proc, job_dir, signals, watch, clock, own_cleanup, records)
-    supervisor.in_place = env.get(ELASTIC_ENV) == ULFM  # a lost rank is the ranks' to handle, not a failure
+    supervisor.in_place = re_forms(env)  # a lost rank is the ranks' to handle, not a failure
     try:
         supervisor.run()
     finally:
@@ -160,16 +133,16 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
                 stream.close()
         if follower is not None:
             follower.stop()
-    if env.get(ELASTIC_ENV) == ULFM:  # the replacements the ranks spawned count against --max-restarts
-        job.replaced.extend(replaced_slots(job_dir))
+    if re_forms(env):
+        count_replacements(job, job_dir)
     if signals.received:
         return signals.exit_code
-    if proc.returncode != 0 and env.get(ELASTIC_ENV) == ULFM and _every_slot_finished(job, job_dir):
+    if proc.returncode != 0 and re_forms(env) and every_slot_finished(job, job_dir):
         notice(f"{Path(cmd[0]).name} exited with status {proc.returncode} for the ranks lost during the job, "
                f"but the world re-formed in place and every slot's last process finished its script.")
         return 0
     code = proc.returncode
-    if code == 0 and env.get(ELASTIC_ENV) == ULFM and any_record(job_dir):
+    if code == 0 and re_forms(env) and any_record(job_dir):
         code = RAISED_STATUS  # under ULFM, mpirun may exit 0 after a rank's MPI_Abort
     if code == 0:
         lost = [] if all_local(job) else _unfinished_here(job_dir, watch)
@@ -322,15 +295,6 @@ class _Supervisor:
         """The pids of the ranks on this host that have not been seen to end."""
         return [pid for rank, (pid, host) in pid_files(self.job_dir).items()
                 if host == HOST and rank not in self.watch.dead]
-
-
-def _every_slot_finished(job: Launch, job_dir: str) -> bool:
-    """A ULFM job's ranks all finished: a replacement's spawned job counts a lost predecessor against
-    mpiexec's exit status, but each slot's last process left its ``exit`` marker (or the survivors
-    marked the slot ``dropped``: not refilled), and none raised. On one host only: the markers of ranks
-    on other hosts do not reach this job directory."""
-    ended = marked_ranks(job_dir, "exit") | marked_ranks(job_dir, "dropped")
-    return all_local(job) and not any_record(job_dir) and ended >= set(range(job.n))
 
 
 def _clean(job_dir: str, watch: Watch) -> set[int]:

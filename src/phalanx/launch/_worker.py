@@ -227,7 +227,7 @@ def _skips_finalize() -> bool:
     ``MPI_Finalize`` corrupts its heap (``ompi_dpm_dyn_finalize``) once a spawned replacement has died.
     Its exit marker is left first and ``phalanx.shutdown`` (an exit handler) agrees with the peers, so
     every rank has finished before any leaves; ``phalanx run`` then reads mpirun's complaint about a rank
-    that did not finalize against those markers (:mod:`._mpiexec`)."""
+    that did not finalize against those markers (:mod:`._mpi_in_place`)."""
     backend = os.environ.get("PHALANX_BACKEND")
     return backend in ("gloo", "nccl") or backend == "mpi" and os.environ.get("PHALANX_ELASTIC") == "ulfm"
 
