@@ -78,13 +78,26 @@ class Job:
         return sorted(out, key=lambda k: k["time"])
 
 
-def _run(marks: str, program: str, n: int, flags: list[str], env: dict[str, str], timeout: float) -> Job:
+def _run(marks: str, program: str, n: int, flags: list[str], env: dict[str, str], timeout: float,
+         backend: str = "gloo") -> Job:
     os.makedirs(marks, exist_ok=True)
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", str(n), "--backend", "gloo", *flags, program],
+    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", str(n), "--backend", backend, *flags, program],
                           capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1", MARKS=marks, **env))
     return Job(marks, done.returncode, done.stdout + done.stderr, time.monotonic() - start)
+
+
+def _references(root: Any) -> dict[str, Job]:
+    """The uninterrupted runs (a world of one) of 300 and 100 steps: ``reference-300``, ``reference-100``."""
+    out: dict[str, Job] = {}
+    for name, steps in (("reference-300", 300), ("reference-100", 100)):
+        marks = str(root / name)
+        os.makedirs(marks)
+        subprocess.run([sys.executable, TRAIN], check=True, timeout=120, env=dict(
+            os.environ, OMP_NUM_THREADS="1", MARKS=marks, STEPS=str(steps)))
+        out[name] = Job(marks, 0, "", 0.0)
+    return out
 
 
 def _final(path: str) -> Any:
@@ -96,13 +109,7 @@ def _final(path: str) -> Any:
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
     root = tmp_path_factory.mktemp("recovery")
-    out: dict[str, Job] = {}
-    for name, steps in (("reference-300", 300), ("reference-100", 100)):
-        marks = str(root / name)
-        os.makedirs(marks)
-        subprocess.run([sys.executable, TRAIN], check=True, timeout=120, env=dict(
-            os.environ, OMP_NUM_THREADS="1", MARKS=marks, STEPS=str(steps)))
-        out[name] = Job(marks, 0, "", 0.0)
+    out = _references(root)
     out["replaced"] = _run(str(root / "replaced"), TRAIN, 4, ["--timeout", "10", "--max-restarts", "3"],
                            {"KILLS": json.dumps([[50, 1, SIGKILL], [120, 0, SIGKILL], [200, 2, SIGKILL]]), "FULL": "4"}, 300)
     out["shrunk"] = _run(str(root / "shrunk"), TRAIN, 4, ["--timeout", "10", "--max-restarts", "0", "--min-ranks", "2"],

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from typing import Any
 
 import pytest
@@ -31,8 +30,10 @@ from test_recovery import (
     _finished,
     _initial,
     _killed,
+    _references,
     _stalls,
 )
+from test_recovery import _run as _run_on
 
 pytestmark = pytest.mark.skipif("mpi" not in AVAILABLE or "gloo" not in AVAILABLE, reason="needs MPI and torch")
 
@@ -51,12 +52,7 @@ needs_ulfm = pytest.mark.skipif(not ULFM, reason="needs Open MPI 5 (ULFM); .ci/r
 
 
 def _run(marks: str, n: int, flags: list[str], env: dict[str, str], timeout: float, program: str = TRAIN) -> Job:
-    os.makedirs(marks, exist_ok=True)
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "phalanx", "run", "-n", str(n), "--backend", "mpi", *flags, program],
-                          capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", MARKS=marks, **env))
-    return Job(marks, done.returncode, done.stdout + done.stderr, time.monotonic() - start)
+    return _run_on(marks, program, n, flags, env, timeout, backend="mpi")
 
 
 def _left_behind(marks: str) -> list[str]:
@@ -78,13 +74,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Job]:
     if not ULFM:
         pytest.skip("needs Open MPI 5 (ULFM)")
     root = tmp_path_factory.mktemp("recovery-mpi")
-    out: dict[str, Job] = {}
-    for name, steps in (("reference-300", 300), ("reference-100", 100)):
-        marks = str(root / name)
-        os.makedirs(marks)
-        subprocess.run([sys.executable, TRAIN], check=True, timeout=120, env=dict(
-            os.environ, OMP_NUM_THREADS="1", MARKS=marks, STEPS=str(steps)))
-        out[name] = Job(marks, 0, "", 0.0)
+    out = _references(root)
     out["replaced"] = _run(str(root / "replaced"), 4, ["--timeout", "10", "--max-restarts", "3"],
                            {"KILLS": json.dumps([[50, 1, SIGKILL], [120, 0, SIGKILL], [200, 2, SIGKILL]])}, 300)
     out["shrunk"] = _run(str(root / "shrunk"), 4, ["--timeout", "10", "--min-ranks", "2"],

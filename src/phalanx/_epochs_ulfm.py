@@ -37,11 +37,14 @@ from typing import Any
 
 from ._epochs import (
     COMMAND_ENV,
+    ELASTIC_ENV,
     FORWARDED_ENV,
     JOINING_ENV,
     MEMBER_ENV,
     REPLACEMENTS_ENV,
+    ULFM,
     Epoch,
+    ulfm,
     why_not_continue,
 )
 from ._errors import QuorumLostError, RendezvousError
@@ -62,7 +65,7 @@ def start_early() -> None:
     imports, so the survivors' ``MPI_Comm_spawn`` returns at once; the worker calls it first. Then take the
     variables ``phalanx run`` forwarded to every rank from the first survivor (on another host than
     mpirun's, a spawned process has only the daemon's environment): those this process lacks are set."""
-    if os.environ.get(JOINING_ENV) != "1" or os.environ.get("PHALANX_ELASTIC") != "ulfm":
+    if os.environ.get(JOINING_ENV) != "1" or not ulfm():
         return
     MPI = import_mpi()
     parent = MPI.Comm.Get_parent()
@@ -176,10 +179,10 @@ class UlfmMembership:
         comm: Any = shrunk
         joined: tuple[int, ...] = ()
         if spawn > 0:
-            comm, joined = self._spawn(shrunk, [m for m in lost][:spawn])
-        first = shrunk.Get_rank() == 0
-        self._mark("dropped", [m for m in lost][spawn:] if spawn > 0 else list(lost), first)
-        self._mark("replaced", [m for m in lost][:max(spawn, 0)], first, f"-e{old.number + 1}")
+            comm, joined = self._spawn(shrunk, list(lost[:spawn]))
+        first, refilled = shrunk.Get_rank() == 0, max(spawn, 0)
+        self._mark("dropped", list(lost[refilled:]), first)
+        self._mark("replaced", list(lost[:refilled]), first, f"-e{old.number + 1}")
         old_comm, self.comm, self._revoked = self.comm, comm, False
         REVOKED.append(old_comm)  # never freed (comm/_mpi.py says why)
         members = survivors + joined
@@ -208,18 +211,13 @@ class UlfmMembership:
     def _shrink(self, old: Epoch) -> Any:
         """The current communicator without its failed processes (blocking: Open MPI 5.0's
         ``MPI_Comm_ishrink`` fails with ``MPI_ERR_INTERN``; :meth:`within` bounds the wait)."""
-        MPI = self.MPI
-        try:
-            shrunk = self.within(
-                self.comm.Shrink, f"epoch {old.number}'s survivors waited {self.timeout + _GRACE:g} s for every "
-                "live rank to re-form, and some did not: a rank that is alive but never calls into MPI again "
-                "(stalled outside MPI) cannot be removed from an MPI world, nor one that ended itself with a "
-                "non-zero status (os._exit(3)): Open MPI 5's ULFM reports a process killed by a signal or "
-                "exiting 0, not that")
-        except MPI.Exception as exc:
-            raise RendezvousError(f"phalanx.reform: the survivors could not shrink epoch {old.number}'s "
-                                  f"communicator ({exc.Get_error_string()})") from None
-        shrunk.Set_errhandler(MPI.ERRORS_RETURN)
+        shrunk = self._forming(
+            self.comm.Shrink, f"epoch {old.number}'s survivors waited {self.timeout + _GRACE:g} s for every "
+            "live rank to re-form, and some did not: a rank that is alive but never calls into MPI again "
+            "(stalled outside MPI) cannot be removed from an MPI world, nor one that ended itself with a "
+            "non-zero status (os._exit(3)): Open MPI 5's ULFM reports a process killed by a signal or "
+            "exiting 0, not that", f"the survivors could not shrink epoch {old.number}'s communicator")
+        shrunk.Set_errhandler(self.MPI.ERRORS_RETURN)
         return shrunk
 
     def within(self, call: Any, what: str) -> Any:
@@ -263,21 +261,19 @@ class UlfmMembership:
         for new, lost in zip(ids, replacing, strict=True):
             info = MPI.Info.Create()
             # the rest of the environment is mpirun's, as for every rank (MPI_MAX_INFO_VAL: 256 bytes)
-            env = {JOINING_ENV: "1", MEMBER_ENV: str(new), "RANK": str(self.slots[lost]), "PHALANX_ELASTIC": "ulfm"}
+            env = {JOINING_ENV: "1", MEMBER_ENV: str(new), "RANK": str(self.slots[lost]), ELASTIC_ENV: ULFM}
             info.Set("PMIX_ENVAR", "\n".join(f"{k}={v}" for k, v in env.items()))
             info.Set("host", self.hosts[lost])
             # the lost rank's core is free, but the runtime keeps it allotted: without this it retries forever
             info.Set("map_by", "slot:OVERSUBSCRIBE")
             infos.append(info)
         try:
-            inter = self.within(
+            inter = self._forming(
                 lambda: shrunk.Spawn_multiple([command[0]] * len(ids), [command[1:]] * len(ids), [1] * len(ids),
                                               infos, root=0),
                 f"the survivors could not start the replacement(s) for member(s) {replacing} within "
-                f"{self.timeout + _GRACE:g} s (mpirun's output says why)")
-        except MPI.Exception as exc:
-            raise RendezvousError(f"phalanx.reform: could not start the replacement(s) for member(s) {replacing}: "
-                                  f"{exc}") from None
+                f"{self.timeout + _GRACE:g} s (mpirun's output says why)",
+                f"could not start the replacement(s) for member(s) {replacing}")
         finally:
             for info in infos:
                 info.Free()
@@ -319,14 +315,13 @@ class UlfmMembership:
         merged.Set_errhandler(self.MPI.ERRORS_RETURN)
         return merged
 
-    def _forming(self, call: Any, what: str) -> Any:
-        """``call()`` while a new epoch forms, bounded by :meth:`within`; an MPI error (a process lost
-        meanwhile) is a RendezvousError, which ``reform()`` turns into a RankFailedError to retry on."""
+    def _forming(self, call: Any, what: str, failed: str = "a process was lost while the new epoch formed") -> Any:
+        """``call()`` while a new epoch forms, bounded by :meth:`within` (``what``: why it timed out); an MPI
+        error is a RendezvousError saying ``failed``, which ``reform()`` turns into a RankFailedError to retry on."""
         try:
             return self.within(call, what)
         except self.MPI.Exception as exc:
-            raise RendezvousError(f"phalanx.reform: a process was lost while the new epoch formed "
-                                  f"({exc.Get_error_string()})") from None
+            raise RendezvousError(f"phalanx.reform: {failed} ({exc.Get_error_string()})") from None
 
     def _bounded(self, what: str, comm: Any) -> None:
         """A barrier on ``comm`` that waits at most the timeout + 5 s (RendezvousError naming ``what``):

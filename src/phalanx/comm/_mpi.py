@@ -41,7 +41,6 @@ import array
 import contextlib
 import copy
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -170,30 +169,22 @@ class MPIBackend(MPIBuffers, MPIShardOps):
         req = self.comm.Iallreduce(chk, out, self.MPI.MAX)
         return MPIRequest(req, lambda: bool(out[0] == chk[0] and out[1] == chk[1]), self.MPI.Exception)
 
-    @contextlib.contextmanager
-    def _peer_lost(self) -> Iterator[None]:
-        """An MPI error inside (a peer lost, a revoked communicator: ULFM) is PeerLost, as in a data phase."""
-        try:
-            yield
-        except self.MPI.Exception as exc:
-            raise PeerLost(str(exc)) from exc
-
+    @lost_peer_on_mpi_error
     def allgather_bytes(self, payload: bytes, timeout: float) -> list[bytes]:
         sizes = np.empty(self.size, np.int64)
-        with self._peer_lost():
-            poll(self.comm.Iallgather(np.array([len(payload)], np.int64), sizes).Test, timeout)
-            recv = np.empty(int(sizes.sum()), np.uint8)
-            send = np.frombuffer(payload, np.uint8)
-            poll(self.comm.Iallgatherv(send, (recv, sizes)).Test, timeout)
+        poll(self.comm.Iallgather(np.array([len(payload)], np.int64), sizes).Test, timeout)
+        recv = np.empty(int(sizes.sum()), np.uint8)
+        send = np.frombuffer(payload, np.uint8)
+        poll(self.comm.Iallgatherv(send, (recv, sizes)).Test, timeout)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         return [recv[offsets[i]:offsets[i + 1]].tobytes() for i in range(self.size)]
 
+    @lost_peer_on_mpi_error
     def broadcast_bytes(self, payload: bytes | None, root: int, timeout: float) -> bytes:
         size = np.array([len(payload) if self.rank == root and payload is not None else 0], np.int64)
-        with self._peer_lost():
-            poll(self.comm.Ibcast(size, root).Test, timeout)
-            buf = np.frombuffer(payload or b"", np.uint8).copy() if self.rank == root else np.empty(int(size[0]), np.uint8)
-            poll(self.comm.Ibcast(buf, root).Test, timeout)
+        poll(self.comm.Ibcast(size, root).Test, timeout)
+        buf = np.frombuffer(payload or b"", np.uint8).copy() if self.rank == root else np.empty(int(size[0]), np.uint8)
+        poll(self.comm.Ibcast(buf, root).Test, timeout)
         return buf.tobytes()
 
     def diagnose(self, call: str, call_index: int, grace: float) -> tuple[list[int], dict[int, str]]:
@@ -204,12 +195,10 @@ class MPIBackend(MPIBuffers, MPIShardOps):
 
     # -- data -----------------------------------------------------------------
     def _finish(self, req: Any, timeout: float, *buffers: Any) -> None:
-        """Complete a data phase within ``timeout`` s (WaitTimeout/PeerLost otherwise; module notes)."""
-        try:
-            if not req.Test():
-                self._wait(req, timeout, *buffers)
-        except self.MPI.Exception as exc:
-            raise PeerLost(str(exc)) from exc
+        """Complete a data phase within ``timeout`` s (WaitTimeout otherwise; module notes). Its callers are
+        :func:`lost_peer_on_mpi_error`'s: an MPI error, in the post or here, is PeerLost."""
+        if not req.Test():
+            self._wait(req, timeout, *buffers)
 
     def _wait(self, req: Any, timeout: float, *buffers: Any) -> None:
         try:
@@ -352,9 +341,9 @@ class MPIBackend(MPIBuffers, MPIShardOps):
         self._finish(self.comm.Ialltoall(send, view), timeout, send, view)
         return self._device_out(x, out)
 
+    @lost_peer_on_mpi_error
     def barrier(self, timeout: float) -> None:
-        with self._peer_lost():
-            poll(_ring.advancing(self._ring, self.comm.Ibarrier().Test), timeout)
+        poll(_ring.advancing(self._ring, self.comm.Ibarrier().Test), timeout)
 
     # -- lifecycle --------------------------------------------------------------
     def shutdown(self) -> None:

@@ -36,8 +36,6 @@ def lost_peer_on_mpi_error(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except PeerLost:
-            raise
         except Exception as exc:
             if type(exc).__module__ == "mpi4py.MPI":
                 raise PeerLost(str(exc)) from exc

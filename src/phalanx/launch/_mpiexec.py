@@ -119,8 +119,7 @@ def run_mpi(job: Launch, env: dict[str, str], job_dir: str, signals: Signals) ->
     # timeout is only kept where every rank runs here.
     timeout = (job.start_timeout or float("inf")) if all_local(job) else float("inf")
     clock = StartClock(job_dir, job.n, timeout)
-    supervisor = _Supervisor(job, proc, job_dir, signals, watch, clock, own_cleanup, records)
-    supervisor.in_place = re_forms(env)  # a lost rank is the ranks' to handle, not a failure
+    supervisor = _Supervisor(job, proc, job_dir, signals, watch, clock, own_cleanup, records, in_place=re_forms(env))
     try:
         supervisor.run()
     finally:
@@ -197,7 +196,7 @@ class _Supervisor:
 
     def __init__(self, job: Launch, proc: subprocess.Popen[bytes], job_dir: str, signals: Signals,
                  watch: Watch, clock: StartClock, own_cleanup: bool = False,
-                 records: RecordSink | None = None) -> None:
+                 records: RecordSink | None = None, in_place: bool = False) -> None:
         self.job, self.proc, self.job_dir, self.signals, self.watch = job, proc, job_dir, signals, watch
         self.clock = clock
         self.records = records  # mpiexec's stderr: which rank called MPI_Abort
@@ -207,7 +206,7 @@ class _Supervisor:
         self.forwarded = 0
         self.terminate_at: float | None = None  # when to SIGTERM mpiexec ourselves
         self.kill_at: float | None = None  # when to SIGKILL mpiexec and everything below it
-        self.in_place = False  # the world re-forms in place (ULFM): a rank's end is not the job's
+        self.in_place = in_place  # the world re-forms in place (ULFM): a rank's end is not the job's
 
     def run(self) -> None:
         while self.proc.poll() is None:

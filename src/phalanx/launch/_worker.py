@@ -30,6 +30,7 @@ import traceback
 from typing import Any
 
 from .._drain import await_readers
+from .._epochs import JOINING_ENV, ulfm
 from .._failure import (
     RAISED_STATUS,
     env_rank,
@@ -177,7 +178,7 @@ def torchrun_variables(env: dict[str, str] | os._Environ[str]) -> dict[str, str]
 
 
 def main() -> None:
-    if os.environ.get("PHALANX_JOINING") == "1" and os.environ.get("PHALANX_ELASTIC") == "ulfm":
+    if os.environ.get(JOINING_ENV) == "1" and ulfm():
         from .._epochs_ulfm import start_early
 
         start_early()  # a replacement spawned into a running MPI job: its survivors wait in MPI_Comm_spawn
@@ -229,7 +230,7 @@ def _skips_finalize() -> bool:
     every rank has finished before any leaves; ``phalanx run`` then reads mpirun's complaint about a rank
     that did not finalize against those markers (:mod:`._mpi_in_place`)."""
     backend = os.environ.get("PHALANX_BACKEND")
-    return backend in ("gloo", "nccl") or backend == "mpi" and os.environ.get("PHALANX_ELASTIC") == "ulfm"
+    return backend in ("gloo", "nccl") or backend == "mpi" and ulfm()
 
 
 def _exit_past_torch_teardown(code: int) -> None:

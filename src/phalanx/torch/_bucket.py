@@ -87,6 +87,7 @@ class GradientBuckets:
         check_options(call, op, bucket_cap_mb, compression)
         self.call = call
         self.world = world = world_for(group, call)  # public, as params, buckets, views: hooks read them
+        self._guard = world.guard(call)  # _progress's, made once: it runs in every gradient hook
         pairs = [(p, n) for p, n in zip(params, names, strict=True) if p.requires_grad]
         self.params = [p for p, _ in pairs]
         self.names = [n for _, n in pairs]  # public too: sharded slices carry them
@@ -223,7 +224,7 @@ class GradientBuckets:
         """Note the buckets done so far, in order (a backend's test raises PeerLost where MPI saw a peer fail)."""
         t = self._tested
         try:
-            with self.world.guard(self.call):  # a RankFailedError, as from the wait: fit(elastic=True) re-forms
+            with self._guard:  # a RankFailedError, as from the wait: fit(elastic=True) re-forms
                 while t < self._launched and self.buckets[t].request.test():
                     if _trace.ON:
                         _trace.bucket_done(self.buckets[t])
