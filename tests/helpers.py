@@ -20,6 +20,20 @@ class Raised:
 
 
 @contextlib.contextmanager
+def preload_torch() -> None:
+    """Import torch, torch.distributed and phalanx.torch now, when a body module loads (before
+    ``phalanx.init``), where torch is installed. A rank importing torch inside a body keeps the others
+    waiting in their next collective for the whole import (seconds under load), which the short
+    timeouts of the failure tests count: import first, and ``init``'s rendezvous absorbs it."""
+    try:
+        import torch  # noqa: F401
+        import torch.distributed  # noqa: F401
+
+        import phalanx.torch  # noqa: F401
+    except ImportError:  # the mpi-only worlds run without torch
+        pass
+
+
 def raises(kind: type[BaseException] | tuple[type[BaseException], ...], otherwise: str,
            match: str | None = None) -> Iterator[Raised]:
     """Check that the block raises ``kind`` (a class or a tuple of them), for rank bodies (no pytest there).

@@ -11,7 +11,9 @@ import numpy as np
 
 import phalanx
 from behaviours import Behaviours
-from helpers import raises
+from helpers import preload_torch, raises
+
+preload_torch()  # bodies here import torch on some ranks only, under short timeouts
 
 MISMATCHES = Behaviours()
 _mismatch = MISMATCHES.add

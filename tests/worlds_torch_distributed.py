@@ -20,17 +20,11 @@ import time
 from typing import Any
 
 import phalanx
-
-try:  # before phalanx.init, so that no rank is still importing torch while another waits
-    import torch  # noqa: F401  # in its first collective (the 2 s timeouts of the stall tests)
-    import torch.distributed  # noqa: F401
-
-    import phalanx.torch  # noqa: F401
-except ImportError:  # the mpi-only worlds run without torch
-    pass
 from behaviours import Behaviours
-from helpers import raises
+from helpers import preload_torch, raises
 from worlds_param_shards import gpt, tokens
+
+preload_torch()  # bodies here import torch on some ranks only, under short timeouts
 
 TORCH_DIST = Behaviours()
 EXACT = 1e-10
