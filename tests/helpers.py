@@ -19,7 +19,6 @@ class Raised:
     value: Any
 
 
-@contextlib.contextmanager
 def preload_torch() -> None:
     """Import torch, torch.distributed and phalanx.torch now, when a body module loads (before
     ``phalanx.init``), where torch is installed. A rank importing torch inside a body keeps the others
@@ -34,6 +33,7 @@ def preload_torch() -> None:
         pass
 
 
+@contextlib.contextmanager
 def raises(kind: type[BaseException] | tuple[type[BaseException], ...], otherwise: str,
            match: str | None = None) -> Iterator[Raised]:
     """Check that the block raises ``kind`` (a class or a tuple of them), for rank bodies (no pytest there).
