@@ -13,7 +13,7 @@ import phalanx
 from behaviours import Behaviours
 from helpers import preload_torch, raises
 
-preload_torch()  # bodies here import torch on some ranks only, under short timeouts
+preload_torch()  # a bad-input body uses torch on rank 0 only while the others wait (4 s timeout)
 
 MISMATCHES = Behaviours()
 _mismatch = MISMATCHES.add

@@ -14,7 +14,7 @@ import phalanx
 from behaviours import Behaviours
 from helpers import preload_torch, raises
 
-preload_torch()  # bodies here import torch on some ranks only, under short timeouts
+preload_torch()  # the stall bodies here use torch under 2 s timeouts: no rank may still be importing it
 
 STEPS = Behaviours()
 

@@ -24,7 +24,7 @@ from behaviours import Behaviours
 from helpers import preload_torch, raises
 from worlds_param_shards import gpt, tokens
 
-preload_torch()  # bodies here import torch on some ranks only, under short timeouts
+preload_torch()  # the stall bodies here use torch under 2 s timeouts: no rank may still be importing it
 
 TORCH_DIST = Behaviours()
 EXACT = 1e-10
