@@ -164,3 +164,21 @@ def test_a_silent_peer_in_sharded_training_is_a_timeout_within_its_bound(backend
     print(f"\n{backend}-{n} {where}: rank 0 raised after {times.get('raised')} s")
     assert "timed out after 2 s" in report and "raised" in times, report  # the type: raises() in the body
     assert times["raised"] < 2.0 + GRACE + 1.0, report
+
+
+@pytest.mark.parametrize("backend,n", world_params(MULTI_WORLDS))
+def test_a_rank_stepping_once_more_after_the_others_finished_times_out_naming_them(backend: str, n: int) -> None:
+    """An uneven last batch: the rank with one more DistributedOptimizer step raises CollectiveTimeoutError
+    within the timeout and its grace, naming the ranks that are shutting down (its gradient bucket skips
+    the agreement, so on gloo it once paired with their shutdown agreement and gloo aborted a rank)."""
+    start = time.monotonic()
+    with pytest.raises(WorldFailed) as failed:
+        run_world(bodies.one_more_step, n, backend, op_timeout=OP_TIMEOUT, timeout=60)
+    elapsed = time.monotonic() - start
+    report = str(failed.value)
+    times = _times(report)
+    print(f"\n{backend}-{n}: the extra step raised after {times.get('raised')} s, the world ended after {elapsed:.1f} s")
+    assert "CollectiveTimeoutError" in report and "phalanx.torch.DistributedOptimizer" in report, report
+    assert all(f"Rank {q} is waiting in shutdown" in report for q in range(1, n)), report
+    assert "SIGABRT" not in report and "gloo aborted" not in report, report
+    assert times["raised"] < OP_TIMEOUT + GRACE + 1.0, report

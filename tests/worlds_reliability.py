@@ -201,3 +201,35 @@ def sharded_peer_stalls(shard: str, where: str) -> None:
         backward()
         opt.step()
     raise RuntimeError(f"rank 0: TIMES raised={time.monotonic() - start:.2f} | {caught.value}")
+
+
+def one_more_step() -> None:
+    """An uneven last batch: rank 0 makes one more DistributedOptimizer step after the others have
+    finished (they return, and exiting shuts them down). Its gradient bucket skips the per-call
+    agreement, so it must never pair with a peer's shutdown agreement (on gloo that aborted the
+    process on a size mismatch): rank 0 raises CollectiveTimeoutError within the timeout, naming
+    the ranks that are shutting down."""
+    import torch
+
+    import phalanx.torch as pt
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = pt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+
+    for _ in range(2):
+        step()
+    if phalanx.rank() != 0:
+        return
+    start = time.monotonic()
+    try:
+        step()
+    except phalanx.PhalanxError as exc:
+        exc.add_note(f"rank 0: TIMES raised={time.monotonic() - start:.2f}")
+        raise
+    raise RuntimeError("rank 0: its extra step completed with no peer to reduce with")

@@ -409,6 +409,18 @@ def _(r: int, n: int, directory: str) -> None:
     assert "[3]" in str(caught.value) and "[2]" in str(caught.value), caught.value
 
 
+@TORCH_DIST.behaviour("torch-init-process-group-phalanx-after-phalanx-init-makes-phalanx-the-default-group")
+def _(r: int, n: int, directory: str) -> None:
+    """The body's ``dist.init_process_group("phalanx")`` ran after phalanx.init(): torch's default group is
+    the phalanx backend over this world, and phalanx's own collectives still run beside it."""
+    torch, dist = _torch()
+    assert dist.is_initialized() and dist.get_backend() == "phalanx", dist.get_backend()
+    assert dist.group.WORLD.name() == "phalanx" and dist.get_world_size() == n, dist.group.WORLD
+    t = torch.full((2,), float(r + 1))
+    dist.all_reduce(t)
+    assert t.tolist() == [n * (n + 1) / 2] * 2 and phalanx.allreduce(1) == n, t
+
+
 @TORCH_DIST.behaviour("torch-sees-the-phalanx-backend-and-phalanx-ranks")
 def _(r: int, n: int, directory: str) -> None:
     _, dist = _torch()
@@ -457,11 +469,15 @@ def _fsdp_reference_at(n: int) -> list[float]:
 
 
 def torch_distributed(directory: str = "") -> dict[str, Any]:
-    """The world body: make "phalanx" torch's default group, run every behaviour; the report, and
-    under ``"results"`` what this rank computed."""
-    import phalanx.torch
+    """The world body: make "phalanx" torch's default group as a torchrun script does, with torch's own
+    ``init_process_group("phalanx")`` inside the world phalanx.init() made (on gloo, phalanx's own group
+    was torch's default: it is handed over); run every behaviour; the report, and under ``"results"``
+    what this rank computed."""
+    import torch.distributed as dist
 
-    phalanx.torch.init_process_group()
+    import phalanx.torch  # noqa: F401  (the behaviours use it)
+
+    dist.init_process_group("phalanx")
     report: dict[str, Any] = dict(TORCH_DIST.run(phalanx.rank(), phalanx.size(), directory))
     report["results"] = RESULTS
     return report

@@ -48,6 +48,7 @@ class TorchBackend(TorchBuffers, TorchShardOps):
     _made = 0  # backends made in this process: separates the store keys of successive worlds
     _rendezvous: Rendezvous | None = None  # phalanx's own meeting (when it made the process group)
     _group: Any = None  # a subgroup backend's process group (None: the world's)
+    _agreeing: Any = None  # gloo: the group view the agreements run on, apart from the data (_apart)
 
     def __init__(self, name: str | None, *, timeout: float, devices: list[Any] | None = None,
                  epoch: Any = None, interrupted: Callable[[], str | None] | None = None) -> None:
@@ -115,6 +116,7 @@ class TorchBackend(TorchBuffers, TorchShardOps):
             self._bind(GroupDist(dist, world_group, tuple(range(self.size))), world_group)
         else:
             self._bind(dist, None)
+        self._agreeing = self._apart(tuple(range(self.size)), timeout, False)
 
     def _bind(self, dist: Any, group: Any) -> None:
         """Make every call through ``dist``: torch.distributed, or a group's view of it (``group``)."""
@@ -135,13 +137,25 @@ class TorchBackend(TorchBuffers, TorchShardOps):
         device, store and options over the group's process group (see :meth:`Backend.subgroup`)."""
         view = group_dist(self._dist, ranks, self.rank, timeout, self.device if self._nccl else None, self.name,
                           members_only)
+        agreeing = self._apart(ranks, timeout, members_only)  # on every rank that made ``view``, in order
         if view is None:
             return None
         sub = copy.copy(self)  # the hierarchy stays the world's (it serves only the world: _hier)
         sub._owns_group, sub._rendezvous, sub._prefix = False, None, f"{self._prefix}group{serial}/"
         sub.rank, sub.size = ranks.index(self.rank), len(ranks)
         sub._bind(view, view.group)
+        sub._agreeing = agreeing
         return sub
+
+    def _apart(self, ranks: tuple[int, ...], timeout: float, members_only: bool) -> GroupDist | None:
+        """gloo: a second process group of ``ranks`` for the agreements alone (None on nccl, and on a
+        non-member). gloo pairs a group's collectives by their order alone and aborts the process on
+        a size mismatch, so an agreement on the data's group could pair with a gradient bucket, which
+        skips the agreement (a rank one step ahead while its peer shuts down); apart, the bucket waits
+        out the timeout and raises, as on MPI, where the agreement is a persistent collective."""
+        if self._nccl or len(ranks) < 2:
+            return None
+        return group_dist(self._dist, ranks, self.rank, timeout, None, "gloo", members_only)
 
     def __repr__(self) -> str:
         return f"<phalanx {self.name} backend rank {self.rank}/{self.size}>"
@@ -236,7 +250,8 @@ class TorchBackend(TorchBuffers, TorchShardOps):
         chk[1] = -signature
         if self._nccl:
             self._chk_dev.copy_(self._chk_t)
-        self._wait(self._dist.all_reduce(self._chk_dev, self._dist.ReduceOp.MAX, async_op=True), timeout)
+        dist = self._agreeing or self._dist
+        self._wait(dist.all_reduce(self._chk_dev, self._dist.ReduceOp.MAX, async_op=True), timeout)
         if self._nccl:
             self._chk_t.copy_(self._chk_dev)
         return bool(chk[0] == signature and chk[1] == -signature)
@@ -244,7 +259,8 @@ class TorchBackend(TorchBuffers, TorchShardOps):
     def iagree(self, signature: int) -> TorchRequest:
         mine = self._torch.tensor([signature, -signature], dtype=self._torch.int64)
         out = mine.to(self.device, copy=True)
-        return self._request(lambda: self._dist.all_reduce(out, self._dist.ReduceOp.MAX, async_op=True),
+        dist = self._agreeing or self._dist
+        return self._request(lambda: dist.all_reduce(out, self._dist.ReduceOp.MAX, async_op=True),
                              lambda: bool(self._torch.equal(out.cpu(), mine)))
 
     @translating
@@ -381,16 +397,21 @@ class TorchBackend(TorchBuffers, TorchShardOps):
         # (No local name may hold them here: the thread's release may come first, and the last
         # reference would then end in this thread, joining the group's threads past a lost peer.)
         held: list[Any] = [self._dist, self._group, self._all_gather, self._reduce_scatter]
+        agreeing, self._agreeing = self._agreeing, None
         self._bind(self._torch.distributed, None)
         torch_dist = self._torch.distributed
         lost = self._interrupted is not None and self._interrupted() is not None  # an epoch that ended
         if (self._owns_group or held[1] is not None) and torch_dist.is_initialized():
             # the world's own group: None destroys torch's default group and every group with it (the
-            # hierarchy's); once "phalanx" is torch's default instead, only phalanx's own group ends
+            # hierarchy's); once "phalanx" is torch's default instead, only phalanx's own groups end
             if self._owns_group and torch_dist.group.WORLD is held[1]:
                 end_group(torch_dist, None, held, lost_peer=lost)
             else:
+                if agreeing is not None:
+                    end_group(torch_dist, agreeing.group, [agreeing], lost_peer=lost)
                 end_group(torch_dist, held[1], held, lost_peer=lost)
+        elif agreeing is not None and torch_dist.is_initialized():  # beside a user's own group
+            end_group(torch_dist, agreeing.group, [agreeing, *held], lost_peer=lost)
         else:
             held.clear()
         if self._rendezvous is not None:  # its guard: nothing of it listens after this

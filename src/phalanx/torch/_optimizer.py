@@ -34,6 +34,7 @@ from ._engine_owner import EngineOwner
 from ._finite import NonFinitePolicy, check_policy
 from ._shard_plan import check_elementwise
 from ._sharded import Sharding, check_shard
+from ._trainable import Trainable
 from ._wrapped import SharedWithWrapped
 
 __all__ = ["DistributedOptimizer"]
@@ -198,17 +199,15 @@ class DistributedOptimizer(EngineOwner, SharedWithWrapped, torch.optim.Optimizer
             synchronize({"parameters": params, "optimizer": self.optimizer}, root=0, group=self._group)
 
     def _make_engine(self) -> GradientBuckets:
-        params, names = [], []
-        for g, group in enumerate(self._full_groups):
-            for k, p in enumerate(group):
-                params.append(p)
-                names.append(self._names.get(id(p), f"param_groups[{g}]['params'][{k}]"))
+        named = self._named()
+        names, params = [n for n, _ in named], [p for _, p in named]
         size = world_for(self._group, _CALL).size
         shard = self._shard if size > 1 else None  # one rank has nothing to split: shard= changes nothing
         engine = GradientBuckets(params, names, call=_CALL, passes_per_reduction=self._passes, group=self._group,
                                  pad=size if shard == "gradients" else None, **self._options)
-        if shard is not None:
-            self._sharding = Sharding(engine, shard, _CALL, self._group)
+        self._trainable = Trainable(zip(names, params, strict=True))  # what the engine reduces
+        if shard is not None:  # the model's own p.grad shows the reduced slices (torch's clip_grad_norm_)
+            self._sharding = Sharding(engine, shard, _CALL, self._group, mirror_grads=True)
         engine.check_steps = self._check_steps
         engine.steps_by_reduction = False  # step() advances the label: a rank that skips step() is named
         return engine
@@ -289,6 +288,7 @@ class DistributedOptimizer(EngineOwner, SharedWithWrapped, torch.optim.Optimizer
             raise InvalidArgumentError(f"phalanx.{_CALL}.step(step={step!r}): the step label must be an "
                                        "int (e.g. the loop's step counter), the same on every rank, or None.")
         engine = self._engine
+        self._check_trainable()
         if closure is None and self._needs_reduction():
             engine.reduce()
         if step is not None:
@@ -307,6 +307,17 @@ class DistributedOptimizer(EngineOwner, SharedWithWrapped, torch.optim.Optimizer
         self._reduced_at_step = engine.reductions
         engine.step_label += 1
         return result
+
+    def _check_trainable(self) -> None:
+        """UsageError when a parameter's requires_grad changed since wrapping (``_trainable.py``): before
+        the update, so a parameter unfrozen on local gradients never moves."""
+        self._trainable.check(_CALL, "wrap again after changing it, on every rank: "
+                              "`opt = phalanx.torch.DistributedOptimizer(opt.release(), ...)`")
+
+    def _named(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters the user passed, with their names (``named_parameters`` or their place)."""
+        return [(self._names.get(id(p), f"param_groups[{g}]['params'][{k}]"), p)
+                for g, group in enumerate(self._full_groups) for k, p in enumerate(group)]
 
     def _scaler_found_inf(self) -> bool:
         """Sharded, under a GradScaler (it set ``found_inf``): whether every rank skips this step."""
@@ -330,18 +341,16 @@ class DistributedOptimizer(EngineOwner, SharedWithWrapped, torch.optim.Optimizer
             self._sharding.zero_grad(set_to_none)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the reduced gradients to a total norm of ``max_norm`` and return that norm, as
-        ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)`` does on the whole gradients.
+        """``torch.nn.utils.clip_grad_norm_`` over the parameters passed to the optimizer: clip the
+        reduced gradients to a total norm of ``max_norm`` and return that norm, the same on every rank.
 
-        Sharded, the norm is taken over every rank's slices (one small allreduce; call it on every
-        rank, between ``backward()`` and ``step()``); unsharded, it is torch's own over the
-        optimizer's parameters. The same value on every rank either way.
+        Sharded, torch's own line over the model's parameters does the same (call it on every rank,
+        between ``backward()`` and ``step()``): with ``"gradients"`` their ``.grad`` is this rank's
+        slice as a sharded tensor, whose norm is over every rank's slices (one small allreduce).
         """
-        if self._sharding is None:
-            return torch.nn.utils.clip_grad_norm_(self._all_params(), max_norm, norm_type)
-        if self._needs_reduction():
+        if self._sharding is not None and self._needs_reduction():
             self._engine.reduce()
-        return self._sharding.clip_grad_norm_(max_norm, norm_type)
+        return torch.nn.utils.clip_grad_norm_(self._all_params(), max_norm, norm_type)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from .._errors import InvalidArgumentError, UsageError
+from .._errors import InvalidArgumentError
 from .._groups import Group, world_for
 from .._objects import broadcast_object
 from .._sync import synchronize
@@ -34,6 +34,7 @@ from ._param_shards import ParamShards
 from ._shard_plan import check_elementwise
 from ._shard_state import full_state_dict
 from ._sharded import Sharding, check_shard
+from ._trainable import Trainable
 
 __all__ = ["DataParallel"]
 
@@ -189,7 +190,7 @@ class DataParallel(EngineOwner, torch.nn.Module):
                                        f"together; with shard={shard!r} every parameter stays whole. Use "
                                        "shard='parameters', or leave units out.")
         named = list(module.named_parameters())
-        self._trainable = [p.requires_grad for _, p in named]
+        self._trainable = Trainable(named)
         # The engine first: it checks that the ranks wrap the same parameters, naming the first difference.
         self._engine = GradientBuckets([p for _, p in named], [n for n, _ in named], call=_CALL, op=op,
                                        bucket_cap_mb=bucket_cap_mb, compression=compression, group=group,
@@ -278,9 +279,7 @@ class DataParallel(EngineOwner, torch.nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the reduced gradients, sharded or not: the total norm
         is over every rank's slices (one small allreduce; call it on every rank after backward)."""
-        if self._sharding is None:  # shard="parameters": torch's own, on the sharded gradients
-            return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
-        return self._sharding.clip_grad_norm_(max_norm, norm_type)
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)  # sharded: global norms
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """``module(*args, **kwargs)``, after broadcasting rank 0's buffers in training mode."""
@@ -323,18 +322,9 @@ class DataParallel(EngineOwner, torch.nn.Module):
         self._sharding = None
 
     def _check_trainable(self) -> None:
-        """UsageError when a parameter's requires_grad changed since wrapping: the engine reduces the
-        parameters that required gradients then, so the ranks would silently drift apart."""
-        flags = [p.requires_grad for p in self.module.parameters()]
-        if flags != self._trainable:
-            changed = [f"{n} (now requires_grad={p.requires_grad})" for (n, p), was
-                       in zip(self.module.named_parameters(), self._trainable, strict=False) if p.requires_grad != was]
-            raise UsageError(
-                f"phalanx.{_CALL}: requires_grad changed after wrapping: {', '.join(changed[:4])}. The gradient "
-                "engine reduces the parameters that required gradients when the model was wrapped, so the "
-                "ranks would drift apart. Set requires_grad before wrapping, or call `model.close()` and wrap "
-                "`model.module` again after changing it (on every rank); shard='parameters' follows such "
-                "changes by itself.")
+        """UsageError when a parameter's requires_grad changed since wrapping (``_trainable.py``)."""
+        self._trainable.check(_CALL, "call `model.close()` and wrap `model.module` again after changing it "
+                              "(on every rank)")
 
     def _sync_buffers(self, pack: _BufferPack) -> None:
         world = self._world

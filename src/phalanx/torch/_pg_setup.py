@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from .._errors import UsageError
-from .._torch_plugin import NAME, register
+from .._torch_plugin import NAME, register, torch_init_process_group
 from .._world import current, current_or_none, init
 
 __all__ = ["init_process_group"]
@@ -62,8 +62,8 @@ def init_process_group(*, timeout: float | None = None) -> Any:
     # has one (gloo, nccl: a gloo group made later meets there), else a process-local one (mpi, local)
     store = getattr(world.backend, "torch_store", None)
     store = dist.HashStore() if store is None else dist.PrefixStore("phalanx-pg/", store)
-    dist.init_process_group(NAME, store=store, rank=world.rank, world_size=world.size,
-                            timeout=timedelta(seconds=max(seconds, 1.0)))
+    torch_init_process_group()(NAME, store=store, rank=world.rank, world_size=world.size,
+                               timeout=timedelta(seconds=max(seconds, 1.0)))
     return dist.group.WORLD
 
 

@@ -22,6 +22,7 @@ skips it exactly as it would the whole parameter).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ from ._engine_hooks import Reducer
 from ._shard_plan import ShardPlan
 from ._shard_tensor import ShardedTensor
 
-__all__ = ["ScatterReducer"]
+__all__ = ["ScatterReducer", "unmirror_before_accumulating"]
 
 AT_ONCE_BYTES = 16 << 20  # a bucket this large is completed as soon as it is posted (see ScatterReducer)
 
@@ -65,10 +66,11 @@ class ScatterReducer(Reducer):
     Measured on the 51.4M-parameter MLP at 4 ranks (mpi): 243 instead of 292 MiB per rank, for
     step times within the noise (``benchmarks/README.md``); smaller buckets overlap backward."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, mirror: bool = False) -> None:
         self.index = {id(b): n for n, b in enumerate(engine.buckets)}
         self.chunks: list[torch.Tensor | None] = [None] * len(engine.buckets)  # the kept reduced chunks
         self._pending: list[int] = []  # launched, not yet completed, in order
+        self.mirror = mirror  # the whole parameters' .grad is their shard's (see _point_grads)
         engine.bucket_hooks.append(_point_grads)
 
     def prepare(self, engine: Any, index: int) -> None:
@@ -128,14 +130,16 @@ def _borrow(engine: Any, bucket: Bucket) -> bool:
 
 
 def _point_grads(engine: Any, bucket: Bucket) -> None:
-    """After a bucket is reduced: its parameters' ``.grad`` None, their shards' ``.grad`` the kept chunk."""
+    """After a bucket is reduced: its shards' ``.grad`` the kept chunk; its parameters' ``.grad`` None,
+    or with ``mirror`` the same sharded gradient as their shard's (so that torch's ``clip_grad_norm_``
+    over the model's parameters takes the global norm and scales the slices the optimizer updates)."""
     reducer = engine.reducer
     plan: ShardPlan = engine.shard_plan
     index = reducer.index[id(bucket)]
     chunk, reducer.chunks[index] = reducer.chunks[index], None  # the slices' .grad hold it from here
     seen = bucket.presence.tolist()
     for j, i in enumerate(bucket.params):
-        engine.params[i].grad = None
+        engine.params[i].grad = plan.shards[i].grad if reducer.mirror else None
         if seen[j] <= 0:  # no rank had a gradient: the shard keeps what it has (None: skipped)
             continue
         a, b = plan.slices[i]
@@ -147,3 +151,20 @@ def _point_grads(engine: Any, bucket: Bucket) -> None:
             grad.to_local().add_(part)
         else:
             shard.grad = ShardedTensor(part, shard._spec)
+        if reducer.mirror:
+            engine.params[i].grad = shard.grad
+
+
+def unmirror_before_accumulating(param: torch.Tensor) -> Any:
+    """A tensor hook for a whole parameter whose ``.grad`` mirrors its shard's: before autograd
+    accumulates the next gradient into it, that ``.grad`` is dropped (the shard keeps the reduced sum,
+    to which the next reduction adds), so autograd makes a fresh whole gradient for the engine."""
+    ref = weakref.ref(param)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        p = ref()
+        if p is not None and isinstance(p.grad, ShardedTensor):
+            p.grad = None
+        return grad
+
+    return param.register_hook(hook)

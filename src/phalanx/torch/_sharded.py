@@ -21,7 +21,6 @@ memory formula and the checkpoint layout: ``docs/sharding.md``.
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
@@ -32,7 +31,7 @@ from .._errors import InvalidArgumentError, UsageError
 from ._common import verify_same_structure
 from ._powersgd import is_powersgd
 from ._shard_plan import ShardPlan, check_elementwise
-from ._shard_reducer import ScatterReducer
+from ._shard_reducer import ScatterReducer, unmirror_before_accumulating
 from ._shard_tensor import ShardedTensor
 
 __all__ = ["SHARDS", "Sharding", "check_shard", "sharding_of", "whole_state"]
@@ -82,7 +81,10 @@ def check_shard(call: str, shard: Any, compression: Any, group: Any, modules: bo
 class Sharding:
     """This rank's part of the training state, for one engine (``engine.shard_plan`` is its plan)."""
 
-    def __init__(self, engine: Any, shard: str, call: str, group: Any) -> None:
+    def __init__(self, engine: Any, shard: str, call: str, group: Any, mirror_grads: bool = False) -> None:
+        """``mirror_grads``: with ``"gradients"``, each whole parameter's ``.grad`` is its shard's sharded
+        gradient after backward (not None), so that torch's ``clip_grad_norm_(model.parameters())``
+        clips by the global norm (``DistributedOptimizer``, whose user holds the model's parameters)."""
         self.shard = shard
         self.call = call
         self.inf_agreed = False  # set by ShardedGradScaler's agreed inf check, taken by the next step
@@ -90,8 +92,11 @@ class Sharding:
         engine.shadows = list(self.plan.shards)  # nonfinite="skip" drops their gradients too
         for piece in self.plan.shards:
             _OWNER[piece] = weakref.ref(self)
+        self._hooks: list[Any] = []
         if shard == "gradients":
-            engine.reducer = ScatterReducer(engine)
+            engine.reducer = ScatterReducer(engine, mirror=mirror_grads)
+            if mirror_grads:
+                self._hooks = [unmirror_before_accumulating(p) for p in self.plan.params]
         else:  # the shards' gradients are views of the reduced ones as soon as each bucket is reduced
             engine.bucket_hooks.append(_view_grads)
 
@@ -126,6 +131,9 @@ class Sharding:
         for group in optimizer.param_groups:
             group["params"] = [whole.get(id(p), p) for p in group["params"]]
         optimizer.state.clear()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def before_step(self) -> None:
         """Stage 1: each shard's ``.grad`` is its slice of the parameter's reduced ``.grad`` (a view;
@@ -147,7 +155,7 @@ class Sharding:
             if p.grad is not None:
                 if set_to_none:
                     p.grad = None
-                else:
+                elif not isinstance(p.grad, ShardedTensor):  # a mirrored one is its shard's, zeroed with it
                     p.grad.detach_().zero_()
 
     # -- gradients across shards --------------------------------------------------
@@ -176,30 +184,6 @@ class Sharding:
         for g in grads:
             if g is not None:
                 g.div_(scale.to(g.dtype))
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
-        """Scale the gradients so that their norm over all ranks' shards is at most ``max_norm``;
-        return that total norm (the same on every rank) as torch's ``clip_grad_norm_`` does."""
-        from .._collectives import allreduce
-
-        self.before_step()
-        grads = [s.grad.to_local() for s in self.plan.shards if isinstance(s.grad, ShardedTensor)]
-        device = grads[0].device if grads else self.plan.params[0].device
-        if math.isinf(norm_type):
-            local = max((g.abs().max() for g in grads if g.numel()), default=torch.zeros((), device=device))
-            total = allreduce(local.to(torch.float64), op="max", group=self.plan.group)
-        else:
-            local = sum((g.double().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64,
-                                                                                      device=device))
-            total = allreduce(local, op="sum", group=self.plan.group) ** (1.0 / norm_type)
-        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        # stage 1: the shards' gradients are views of the whole ones, which every rank holds: scale those
-        targets = grads if self.shard == "gradients" else [p.grad for p in self.plan.params if p.grad is not None]
-        # (the slices' gradients are views of the whole ones with "optimizer": scaled with them)
-        for g in targets:
-            g.mul_(coef.to(g.dtype))
-        return total.to(grads[0].dtype if grads else torch.float32)
 
     # -- checkpoints: whole states in, whole states out -----------------------------
     def state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

