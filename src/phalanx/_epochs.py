@@ -16,7 +16,8 @@ Under ``phalanx run`` with ``--max-restarts`` or ``--min-ranks`` on gloo or nccl
 the launcher serves the rendezvous store and decides every epoch's members
 (:mod:`phalanx.launch._epochs`); no rank, rank 0 included, holds anything the
 others need to meet again. Each rank keeps a connection to that store
-(:class:`Membership`) for the whole job:
+(:class:`StoreMembership`, one implementation of the :class:`Membership` contract; ULFM's
+:class:`phalanx._epochs_ulfm.UlfmMembership` is the other) for the whole job:
 
 * while a collective waits, it looks (every quarter second) whether the launcher
   marked the epoch broken (a rank exited, or a peer asked to re-form), so a
@@ -30,10 +31,9 @@ others need to meet again. Each rank keeps a connection to that store
   be admitted; the survivors admit it at their next step boundary (the launcher
   raises the epoch's ``grow`` flag, :func:`grow_requested` reads it).
 
-The store's keys (all under ``elastic/``): ``e<E>/members`` (member ids in rank
-order), ``e<E>/broken`` (why epoch E ended), ``e<E>/grow``, ``e<E>/alive/<m>``
-(member m's check-in for the epoch after E), ``e<E>/verdict`` (no epoch follows E:
-why), ``declared/<m>``, ``join/<m>``, ``admit/<m>`` (the epoch that admits m).
+The store's keys (``e<E>/members``, ``e<E>/broken``, ``e<E>/grow``, ``e<E>/alive/<m>``,
+``e<E>/verdict``, ``declared/<m>``, ``join/<m>``, ``admit/<m>``) are spelled in one place,
+:mod:`phalanx._epoch_keys`, which the launcher's side uses too.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from . import _epoch_keys as keys
 from ._current import current, current_or_none
 from ._errors import (
     CollectiveTimeoutError,
@@ -58,8 +59,8 @@ from ._errors import (
 if TYPE_CHECKING:
     from .comm._guard import Guard
 
-__all__ = ["ELASTIC_ENV", "JOINING_ENV", "MEMBER_ENV", "Epoch", "Membership", "available", "declare", "epoch",
-           "first_epoch", "grow_requested", "joined_late", "membership", "on_reform", "recoverable", "recovers",
+__all__ = ["ELASTIC_ENV", "JOINING_ENV", "MEMBER_ENV", "Epoch", "Membership", "StoreMembership", "available", "declare",
+           "epoch", "first_epoch", "grow_requested", "joined_late", "membership", "on_reform", "recoverable", "recovers",
            "rebinds", "required", "ulfm", "why_not_continue"]
 
 ELASTIC_ENV = "PHALANX_ELASTIC"  # "host:port": the launcher's store (behind the job's guard)
@@ -83,8 +84,50 @@ class Epoch:
     previous_rank: int | None = None
 
 
-class Membership:
-    """This rank's connection to the launcher's store, for the whole job (see the module notes)."""
+class Membership(Protocol):
+    """The recovery contract: this rank's part in a world with epochs, for the whole job.
+
+    :class:`StoreMembership` keeps it through the launcher's store (gloo, nccl);
+    :class:`phalanx._epochs_ulfm.UlfmMembership` through MPI itself (Open MPI 5's ULFM).
+    ``reform()``, ``fit(elastic=True)`` and every rebind use only this.
+    """
+
+    epoch: Epoch | None  # the current epoch, once :meth:`first` returned it
+    declared: bool  # this rank re-forms in place (:meth:`declare`)
+    admitted_late: bool  # a replacement, until its first re-formation
+
+    def first(self) -> Epoch:
+        """The epoch this process starts in: 0 for the job's first ranks, the admitting one for a replacement."""
+        ...
+
+    def reform(self, reason: str) -> Epoch:
+        """The epoch after the current one (``reason``: why it ended), or QuorumLostError."""
+        ...
+
+    def announce(self, reason: str) -> None:
+        """Tell the peers that the current epoch ended (``reason``), so their pending calls stop waiting."""
+        ...
+
+    def declare(self) -> None:
+        """This rank survives a lost peer by re-forming."""
+        ...
+
+    def grow_requested(self) -> bool:
+        """Whether a replacement waits to be admitted into the current epoch's world."""
+        ...
+
+    def interrupted(self) -> str | None:
+        """Why the current epoch ended, once a peer or the launcher said so; else None."""
+        ...
+
+    def close(self) -> None:
+        """Let go of what the membership holds (its connection)."""
+        ...
+
+
+class StoreMembership:
+    """This rank's connection to the launcher's store, for the whole job (see the module notes):
+    a :class:`Membership`."""
 
     def __init__(self, where: str, member: int, joining: bool, timeout: float) -> None:
         from .comm._epoch_store import connect
@@ -124,7 +167,7 @@ class Membership:
         if self.epoch is None:
             return None
         try:
-            return self._get(f"elastic/e{self.epoch.number}/broken")
+            return self._get(keys.broken(self.epoch.number))
         except RankFailedError as exc:
             return str(exc)
 
@@ -135,12 +178,12 @@ class Membership:
         if self.epoch is None or now - self._looked < _CHECK_S:
             return False
         self._looked = now
-        return self._get(f"elastic/e{self.epoch.number}/grow") is not None
+        return self._get(keys.grow(self.epoch.number)) is not None
 
     def declare(self) -> None:
         """Tell the launcher that this rank survives a lost peer by re-forming (set once)."""
         if not self.declared:
-            self._set(f"elastic/declared/{self.member}", repr(self.timeout))  # the launcher waits this long
+            self._set(keys.declared(self.member), repr(self.timeout))  # the launcher waits this long
             self.declared = True
 
     # -- epochs ----------------------------------------------------------------------
@@ -149,9 +192,9 @@ class Membership:
         if not self.joining:
             self.epoch = self._read(0, None)
             return self.epoch
-        self._set(f"elastic/join/{self.member}", json.dumps({"pid": os.getpid()}))
+        self._set(keys.joined(self.member), json.dumps({"pid": os.getpid()}))
         # as long as the launcher lives: the survivors admit it at their next step boundary, or tell it to leave
-        number = self._await(f"elastic/admit/{self.member}", None, "to be admitted into the running job", None)
+        number = self._await(keys.admit(self.member), None, "to be admitted into the running job", None)
         if int(number) < 0:  # the survivors finished before a step boundary could admit this replacement
             print(f"phalanx: the replacement in slot {os.environ.get('RANK', '?')} was not needed: the job "
                   "finished before it could join.", file=sys.stderr, flush=True)
@@ -164,10 +207,9 @@ class Membership:
         """Check in for the epoch after the current one; its :class:`Epoch`, or QuorumLostError."""
         assert self.epoch is not None  # internal invariant: reform() runs in a formed world
         old = self.epoch
-        here = f"elastic/e{old.number}/"
         self.announce(reason)
-        self._set(here + f"alive/{self.member}", json.dumps({"pid": os.getpid(), "rank": old.rank}))
-        self._await(f"elastic/e{old.number + 1}/members", here + "verdict", "for the launcher to re-form the world")
+        self._set(keys.alive(old.number, self.member), json.dumps({"pid": os.getpid(), "rank": old.rank}))
+        self._await(keys.members(old.number + 1), keys.verdict(old.number), "for the launcher to re-form the world")
         self.epoch = self._read(old.number + 1, old)
         self.admitted_late = False
         return self.epoch
@@ -175,7 +217,7 @@ class Membership:
     def announce(self, reason: str) -> None:
         """Mark the current epoch broken (``reason``), unless the launcher or a peer did already."""
         assert self.epoch is not None  # internal invariant
-        key = f"elastic/e{self.epoch.number}/broken"
+        key = keys.broken(self.epoch.number)
         if self._get(key) is None:
             self._set(key, reason)
 
@@ -201,12 +243,12 @@ class Membership:
             pause = min(pause * 2, 0.02)
 
     def _read(self, number: int, old: Epoch | None) -> Epoch:
-        raw = self._get(f"elastic/e{number}/members")
+        raw = self._get(keys.members(number))
         if raw is None:
             raise QuorumLostError(f"phalanx: epoch {number} has no members in the launcher's store at {self.where}.")
         members = tuple(int(m) for m in json.loads(raw))
         if self.member not in members:
-            lost_why = self._get(f"elastic/e{number - 1}/broken") or "a failure"
+            lost_why = self._get(keys.broken(number - 1)) or "a failure"
             raise QuorumLostError(
                 f"phalanx.reform: the launcher re-formed the world without this rank (member {self.member}) "
                 f"in epoch {number} of {len(members)} rank(s), after {lost_why}: it did not check in within "
@@ -270,21 +312,22 @@ def available(backend: str | None = None) -> bool:
 
 
 def membership() -> Membership | None:
-    """This process's :class:`Membership` once its world formed, else None."""
+    """This process's :class:`Membership` (a :class:`StoreMembership` or an ``UlfmMembership``) once its
+    world formed, else None."""
     return _MEMBERSHIP
 
 
 def first_epoch(timeout: float, make: Callable[[int, float], Membership] | None = None) -> Epoch:
-    """Connect to the launcher's store (or, with ``make(member, timeout)``, make another membership of the
-    same contract: ULFM's, :mod:`._epochs_ulfm`) and return the epoch this process starts in (``init`` calls it)."""
+    """Connect to the launcher's store (or, with ``make(member, timeout)``, make another :class:`Membership`:
+    ULFM's, :mod:`._epochs_ulfm`) and return the epoch this process starts in (``init`` calls it)."""
     global _MEMBERSHIP
     if _MEMBERSHIP is None:
         member = os.environ.get(MEMBER_ENV, os.environ.get("RANK", "0"))
         if make is not None:
             _MEMBERSHIP = make(int(member), timeout)
         else:
-            _MEMBERSHIP = Membership(os.environ[ELASTIC_ENV].strip(), int(member),
-                                     os.environ.get(JOINING_ENV) == "1", timeout)
+            _MEMBERSHIP = StoreMembership(os.environ[ELASTIC_ENV].strip(), int(member),
+                                          os.environ.get(JOINING_ENV) == "1", timeout)
         assert _MEMBERSHIP is not None
         return _MEMBERSHIP.first()
     if _MEMBERSHIP.epoch is None:  # pragma: no cover - first() raised before: try again
@@ -298,7 +341,7 @@ def first_epoch(timeout: float, make: Callable[[int, float], Membership] | None 
 def required(call: str) -> Membership:
     """This process's membership, or UsageError naming ``call`` and the fix where worlds cannot re-form."""
     world = current(call)
-    if _MEMBERSHIP is None or getattr(world, "epoch", None) is None:
+    if _MEMBERSHIP is None or world.epoch is None:
         raise UsageError(
             f"phalanx.{call}: this world cannot re-form: it was not started by a launcher that keeps the "
             "rendezvous. Run the script with `phalanx run -n N --backend gloo --max-restarts K train.py` "
@@ -309,7 +352,7 @@ def required(call: str) -> Membership:
 
 def epoch() -> int:
     """The world's epoch: 0 until it is first re-formed (always 0 where worlds never re-form)."""
-    number = getattr(current("epoch"), "epoch", None)
+    number = current("epoch").epoch
     return 0 if number is None else int(number)
 
 

@@ -3,17 +3,19 @@
 ``phalanx run --backend mpi --max-restarts K`` (or ``--min-ranks M``) under Open MPI 5
 starts ``mpirun --with-ft ulfm`` and gives every rank ``PHALANX_ELASTIC=ulfm``. No store
 is needed: MPI itself tells the survivors of a lost process and re-forms among them.
-:class:`UlfmMembership` keeps :class:`phalanx._epochs.Membership`'s contract (``first``,
-``reform``, ``announce``, ``declare``, ``grow_requested``, ``interrupted``), so ``reform()``,
-``fit(elastic=True)`` and every rebind work on it unchanged:
+:class:`UlfmMembership` is a :class:`phalanx._epochs.Membership` (the protocol: ``first``,
+``reform``, ``announce``, ``declare``, ``grow_requested``, ``interrupted``), as the launcher's
+store's :class:`phalanx._epochs.StoreMembership` is, so ``reform()``, ``fit(elastic=True)`` and
+every rebind work on it unchanged:
 
 * a collective with a dead peer fails with ``MPI_ERR_PROC_FAILED`` (Open MPI's runtime saw
   the process exit); the rank that sees it first *revokes* the communicator (``announce``),
   so every survivor's pending call fails at once with ``MPI_ERR_REVOKED``;
-* ``reform`` shrinks the communicator to the live processes (``MPI_Comm_ishrink``, polled
-  within the timeout + 5 s). The same rule as the launcher's decides who continues
-  (:func:`phalanx._epochs.why_not_continue`): a strict majority, or survivors on the hosts
-  of every lost rank (their host's daemon saw it exit), never fewer than ``--min-ranks``;
+* ``reform`` shrinks the communicator to the live processes (a blocking ``MPI_Comm_shrink``,
+  bounded by a timer: past the timeout + 5 s the rank records a QuorumLostError and ends). The
+  same rule as the launcher's decides who continues (:func:`phalanx._epochs.why_not_continue`):
+  a strict majority, or survivors on the hosts of every lost rank (their host's daemon saw it
+  exit), never fewer than ``--min-ranks``;
 * with replacements left (``--max-restarts``), the survivors spawn one process per lost
   rank (``MPI_Comm_spawn_multiple``: the same worker command, the lost rank's slot) and
   merge it into the new world; it joins in the same epoch, and ``fit`` sends it the state;
@@ -48,7 +50,7 @@ from ._epochs import (
     why_not_continue,
 )
 from ._errors import QuorumLostError, RendezvousError
-from ._failure import RAISED_STATUS, record_failure
+from ._failure import RAISED_STATUS, mark_rank, record_failure
 from .comm._mpi import REVOKED
 from .comm._mpilib import import_mpi
 
@@ -94,7 +96,7 @@ def _forwarded() -> bytes:
 
 
 class UlfmMembership:
-    """This rank's part in a world that ULFM re-forms (see the module notes)."""
+    """This rank's part in a world that ULFM re-forms (see the module notes): a :class:`phalanx._epochs.Membership`."""
 
     def __init__(self, member: int, timeout: float) -> None:
         self.MPI = MPI = import_mpi()
@@ -195,18 +197,15 @@ class UlfmMembership:
 
     # -- how -------------------------------------------------------------------------------
     def _mark(self, kind: str, members: list[int], first: bool, tag: str = "") -> None:
-        """Tell the launcher about these members' slots: ``<kind>-rank<slot><tag>`` in its job directory
-        (written by the first survivor). ``dropped``: a lost process no replacement takes, so ``phalanx
-        run`` does not wait for its exit marker; ``replaced`` (one per epoch): a replacement spawned, which
-        counts against ``--max-restarts`` with the whole restarts, as on gloo."""
-        job_dir = os.environ.get("PHALANX_JOB_DIR")
-        if not first or not job_dir:
+        """Tell the launcher about these members' slots: :func:`phalanx._failure.mark_rank`'s ``<kind>`` marker
+        of each slot, with ``tag`` (written by the first survivor). ``dropped``: a lost process no replacement
+        takes, so ``phalanx run`` does not wait for its exit marker; ``replaced`` (one per epoch): a replacement
+        spawned, which counts against ``--max-restarts`` with the whole restarts, as on gloo. A marker that
+        cannot be written loses the launcher's report (or its budget) only this detail."""
+        if not first:
             return
         for m in members:
-            try:
-                open(os.path.join(job_dir, f"{kind}-rank{self.slots[m]}{tag}"), "wb").close()
-            except OSError:
-                pass  # the launcher's report (or its budget) loses only this detail
+            mark_rank(kind, self.slots[m], tag, any_host=True)
 
     def _shrink(self, old: Epoch) -> Any:
         """The current communicator without its failed processes (blocking: Open MPI 5.0's

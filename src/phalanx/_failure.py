@@ -24,8 +24,8 @@ from typing import Any
 from ._drain import also_wait_for
 from ._files import write_atomically
 
-__all__ = ["JOB_FILE_MARK", "RAISED_STATUS", "env_rank", "install_abort_hook", "keep_job_channel", "mark_rank", "on_launch_host",
-           "record_failure", "send_job_file"]
+__all__ = ["JOB_FILE_MARK", "RAISED_STATUS", "env_rank", "install_abort_hook", "keep_job_channel", "mark_rank",
+           "marker_rank", "on_launch_host", "record_failure", "send_job_file"]
 
 JOB_DIR_ENV = "PHALANX_JOB_DIR"
 LAUNCH_HOST_ENV = "PHALANX_LAUNCH_HOST"  # set by `phalanx run` when ranks may run on other hosts
@@ -101,20 +101,34 @@ def send_job_file(name: str, text: str) -> None:
         os.write(_channel, line)
 
 
-def mark_rank(kind: str, rank: int | None = None) -> None:
-    """Leave an empty ``<kind>-rank<r>`` file in ``$PHALANX_JOB_DIR`` (if set) for the launcher.
+def mark_rank(kind: str, rank: int | None = None, tag: str = "", *, any_host: bool = False) -> None:
+    """Leave an empty ``<kind>-rank<r><tag>`` file in ``$PHALANX_JOB_DIR`` (if set) for the launcher.
 
     ``kind``: ``"init"`` when ``phalanx.init`` starts, ``"ready"`` when the world is formed
-    (``phalanx run --start-timeout`` names the ranks that have neither).
+    (``phalanx run --start-timeout`` names the ranks that have neither). Under ULFM
+    (:mod:`phalanx._epochs_ulfm`) the first survivor marks a lost rank's slot ``"dropped"`` (no
+    replacement takes it) or ``"replaced"`` (``tag`` ``-e<epoch>``: one marker per replacement spawned).
+    ``any_host``: write it on another host than the launcher's too (where the directory exists there).
+    The launcher reads the markers with :func:`marker_rank`.
     """
     job_dir = os.environ.get(JOB_DIR_ENV)
-    if not job_dir or not on_launch_host():
+    if not job_dir or not (any_host or on_launch_host()):
         return
     rank = env_rank() if rank is None else rank
     with contextlib.suppress(OSError):  # on another host the job directory may not exist
-        with open(os.path.join(job_dir, f"{kind}-rank{rank}"), "w") as f:
+        with open(os.path.join(job_dir, f"{kind}-rank{rank}{tag}"), "w") as f:
             if kind == "ready":  # MPICH's shared memory, made by MPI_Init: the launcher removes it should
                 f.write(_mpich_segments())  # this rank end abnormally, before MPI_Finalize would
+
+
+def marker_rank(name: str, kind: str, *, tagged: bool = False) -> int | None:
+    """The rank of a job-directory file ``name`` that is a ``kind`` marker (``<kind>-rank<r>``, as
+    :func:`mark_rank` writes it; ``tagged``: with or without a ``-<tag>`` after it), else None."""
+    prefix = f"{kind}-rank"
+    if not name.startswith(prefix):
+        return None
+    rest = name[len(prefix):].split("-")[0] if tagged else name[len(prefix):]
+    return int(rest) if rest.isdigit() else None
 
 
 def _mpich_segments() -> str:

@@ -52,7 +52,7 @@ def reform(reason: str | None = None) -> Epoch:
     ms = required("reform")
     old = _world.current("reform")
     why = reason or old.broken or f"rank {old.rank} asked to re-form the world"
-    old.mark_broken(f"the world was re-formed after epoch {getattr(old, 'epoch', 0)}: "
+    old.mark_broken(f"the world was re-formed after epoch {old.epoch}: "
                     "this handle or group belongs to the old one")
     ms.announce(why)  # first: the old group's peers stop waiting, and its teardown need not wait for them
     old.backend.revoke()  # and their calls on its communicators (MPI under ULFM) fail at once
@@ -60,7 +60,7 @@ def reform(reason: str | None = None) -> Epoch:
     try:
         new_epoch = ms.reform(why)
     except RendezvousError as exc:  # (ULFM) a shrink or a replacement's start failed: shrink again
-        raise RankFailedError(f"phalanx.reform: epoch {getattr(old, 'epoch', 0)} could not re-form ({exc}). "
+        raise RankFailedError(f"phalanx.reform: epoch {old.epoch} could not re-form ({exc}). "
                               "Call phalanx.reform() again (fit(elastic=True) does).") from None
     try:
         reformed(old, new_epoch)
@@ -77,10 +77,9 @@ def reformed(old: _world.World, epoch: Epoch) -> _world.World:
     backend kind and settings, this process's new rank and size (:func:`reform`)."""
     impl = _world.make_backend(old.backend.name, timeout=old.timeout, gpu_aware_mpi=getattr(old.backend, "gpu_aware", None),
                          devices=old.devices, epoch=epoch)
-    world = _world.World(impl, timeout=old.timeout, check=old.checks, debug=old.debug, devices=old.devices)
-    world.epoch = epoch.number
-    world.retry_mismatch = old.retry_mismatch
-    old.superseded = world
+    world = _world.World(impl, timeout=old.timeout, check=old.checks, debug=old.debug, devices=old.devices,
+                         epoch=epoch.number)
+    old.supersede(world)
     _world.swap(world)
     for hook in _world.AT_EXIT:
         atexit.register(hook, world)

@@ -87,15 +87,15 @@ class World:
     """This process's view of the job: backend, settings, and call bookkeeping."""
 
     def __init__(self, backend: Backend, *, timeout: float, check: bool, debug: bool,
-                 devices: list[Any] | None) -> None:
+                 devices: list[Any] | None, epoch: int | None = None) -> None:
         self.backend = backend
         self.rank = backend.rank
         self.size = backend.size
         self.timeout = timeout
         self.check = check and backend.size > 1
         self.checks = check  # as asked: a re-formed world of more ranks checks again (_epochs)
-        self.epoch: int | None = None  # in a world with epochs (phalanx._epochs): its number, else None
-        self.superseded: World | None = None  # the next epoch's world, once phalanx.reform() made it
+        self.epoch: int | None = epoch  # in a world with epochs (phalanx._epochs): its number, else None
+        self.superseded: World | None = None  # the next epoch's world, once phalanx.reform() made it (supersede)
         self.debug = debug
         self.devices = devices
         self.calls = 0  # collectives entered so far on this rank
@@ -108,6 +108,12 @@ class World:
         # description and whether this rank can retry (a blocking call): True makes this rank agree on
         # the same call again instead of raising (it may exchange more with the peers: all call it).
         self.retry_mismatch: Callable[[World, list[dict[str, Any]], bool], bool] | None = None
+
+    def supersede(self, world: World) -> None:
+        """Hand over to ``world``, the next epoch's (``phalanx.reform()`` made it): it keeps this world's
+        ``retry_mismatch``, and this one's ``superseded`` names it (the abort hook follows that chain)."""
+        world.retry_mismatch = self.retry_mismatch
+        self.superseded = world
 
     def guard(self, call: str) -> _Guard:
         """A context in which the backend's timeouts and lost peers become phalanx errors for ``call``."""
@@ -314,12 +320,12 @@ def init(backend: BackendName = "auto", *, devices: list[Any] | None = None, tim
             from ._epochs_ulfm import UlfmMembership
 
             make = UlfmMembership
-        epoch = _epochs.first_epoch(seconds, make)  # type: ignore[arg-type]  # the same contract
+        epoch = _epochs.first_epoch(seconds, make)
     impl = make_backend(name, timeout=seconds, gpu_aware_mpi=gpu_aware_mpi if gpu_aware_mpi is not None
                          else settings.gpu_aware_mpi, devices=devices, epoch=epoch)
     world = World(impl, timeout=seconds, check=settings.check if check is None else check,
-                  debug=settings.debug if debug is None else debug, devices=devices)
-    world.epoch = None if epoch is None else epoch.number
+                  debug=settings.debug if debug is None else debug, devices=devices,
+                  epoch=None if epoch is None else epoch.number)
     swap(world)
     install_abort_hook(world)
     if elastic and epoch is not None:

@@ -2,7 +2,8 @@
 
 ``phalanx run -n N --backend gloo --max-restarts K`` (or ``--min-ranks M``) on one
 host serves the job's rendezvous store here, not in rank 0 (:mod:`phalanx.comm._epoch_store`),
-so it outlives any rank. The ranks' side is :mod:`phalanx._epochs`, whose notes give the keys.
+so it outlives any rank. The ranks' side is :mod:`phalanx._epochs`; both name the store's keys
+through :mod:`phalanx._epoch_keys`.
 
 The spawner (:mod:`._spawn`) calls :meth:`Coordinator.tick` every poll. While not every member
 of the current epoch has declared that it re-forms (``fit(elastic=True)`` does), nothing
@@ -42,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import _epoch_keys as keys
 from .._epochs import ELASTIC_ENV, JOINING_ENV, MEMBER_ENV, why_not_continue
 from ._job import Launch, notice
 from ._jobdir import any_record
@@ -107,7 +109,7 @@ class Coordinator:
         self.finishing = False  # a member ended its script: replacements no longer join
         self.exited: set[int] = set()  # members that ended their script (exit status 0)
         self.timeouts: dict[int, float] = {}  # each declared member's own collective timeout
-        self.store.set("elastic/e0/members", json.dumps(self.current))
+        self.store.set(keys.members(0), json.dumps(self.current))
 
     # -- what the ranks get ----------------------------------------------------------
     def env(self, slot: int, member: int | None = None) -> dict[str, str]:
@@ -187,7 +189,7 @@ class Coordinator:
             self.finishing = True
             for m in self.members.values():
                 if not m.admitted:
-                    self.store.set(f"elastic/admit/{m.id}", "-1")
+                    self.store.set(keys.admit(m.id), "-1")
 
     def in_place(self) -> bool:
         """Whether the job now re-forms in place: every member of the epoch declared it, and no verdict ended it."""
@@ -195,7 +197,7 @@ class Coordinator:
 
     def _all_declared(self) -> bool:
         for m in self.current:
-            key = f"elastic/declared/{m}"
+            key = keys.declared(m)
             if m not in self.declared and self.store.check([key]):
                 self.declared.add(m)
                 with contextlib.suppress(ValueError):  # the rank's own timeout (init(timeout=...))
@@ -211,15 +213,14 @@ class Coordinator:
         """Start re-forming (once per epoch): mark the epoch broken, so waiting ranks stop waiting."""
         if self.reform is None:
             self.reform = _Reform(time.monotonic())
-        key = f"elastic/e{self.epoch}/broken"
+        key = keys.broken(self.epoch)
         if not self.store.check([key]):
             self.store.set(key, why)
 
     def _progress(self) -> None:
-        here = f"elastic/e{self.epoch}/"
-        checked = [m for m in self.current if self.store.check([f"{here}alive/{m}"])]
+        checked = [m for m in self.current if self.store.check([keys.alive(self.epoch, m)])]
         if self.reform is None and checked:  # a rank asked (a timeout, a grow, its own reform() call)
-            self._begin(self._get(here + "broken") or "a rank asked to re-form the world")
+            self._begin(self._get(keys.broken(self.epoch)) or "a rank asked to re-form the world")
         if self.reform is None:
             self._offer_joiners()
             return
@@ -245,14 +246,14 @@ class Coordinator:
         waiting = self._waiting()
         if waiting and self.finishing:
             for m in waiting:
-                self.store.set(f"elastic/admit/{m}", "-1")
+                self.store.set(keys.admit(m), "-1")
         elif waiting and not self.grow_raised:
-            self.store.set(f"elastic/e{self.epoch}/grow", "1")
+            self.store.set(keys.grow(self.epoch), "1")
             self.grow_raised = True
 
     def _waiting(self) -> list[int]:
         return [m.id for m in sorted(self.members.values(), key=lambda m: m.id)
-                if not m.admitted and self.store.check([f"elastic/join/{m.id}"])]
+                if not m.admitted and self.store.check([keys.joined(m.id)])]
 
     def _form(self, survivors: list[int], gone: dict[int, str]) -> None:
         last = self.current
@@ -260,25 +261,24 @@ class Coordinator:
         seen_exit = not (self.reform.unseen & set(gone))  # this launcher saw (or made) every missing exit
         joiners = self._waiting()
         members = survivors + joiners
-        here = f"elastic/e{self.epoch}/"
         lost = "; ".join(f"rank {last.index(m)}: {how}" for m, how in gone.items())
         why = why_not_continue(len(last), len(survivors), len(members), self.min_ranks, seen_exit)
         if why is not None:
             verdict = (f"phalanx.reform: epoch {self.epoch} of {len(last)} rank(s) lost {lost or 'no rank'}; the "
                        f"{len(survivors)} survivor(s) (ranks {[last.index(m) for m in survivors]}) cannot continue: "
                        f"{why}. The job ends; lower --min-ranks, or restart it from its checkpoint.")
-            self.store.set(here + "verdict", verdict)
+            self.store.set(keys.verdict(self.epoch), verdict)
             notice(verdict.replace("phalanx.reform: ", ""))
             self.reform, self.ended = None, True
             for m in joiners + [m.id for m in self.members.values() if not m.admitted]:
-                self.store.set(f"elastic/admit/{m}", "-1")  # nothing to join: leave
+                self.store.set(keys.admit(m), "-1")  # nothing to join: leave
             return
         self.epoch += 1
-        self.store.set(f"elastic/e{self.epoch}/members", json.dumps(members))
+        self.store.set(keys.members(self.epoch), json.dumps(members))
         for m in joiners:
             self.members[m].admitted = True
             self.declared.add(m)
-            self.store.set(f"elastic/admit/{m}", str(self.epoch))
+            self.store.set(keys.admit(m), str(self.epoch))
         self.current, self.reform, self.grow_raised = members, None, False
         change = "; ".join(filter(None, [f"lost {lost}" if lost else "",
                                          f"admitted {len(joiners)} replacement(s)" if joiners else ""]))

@@ -22,6 +22,8 @@ import json
 import os
 from typing import Any
 
+from .._failure import marker_rank
+
 __all__ = ["any_record", "marked_ranks", "pid_files", "read_records", "read_statuses", "replaced_slots"]
 
 
@@ -33,18 +35,15 @@ def _names(job_dir: str) -> list[str]:
 
 
 def marked_ranks(job_dir: str, kind: str) -> set[int]:
-    """The ranks that left a ``<kind>-rank<r>`` marker (``kind``: ``init``, ``ready``, ``exit``, ``pid``)."""
-    prefix = f"{kind}-rank"
-    return {int(name[len(prefix):]) for name in _names(job_dir)
-            if name.startswith(prefix) and name[len(prefix):].isdigit()}
+    """The ranks that left a ``<kind>-rank<r>`` marker (``kind``: ``init``, ``ready``, ``exit``, ``pid``;
+    read by :func:`phalanx._failure.marker_rank`)."""
+    return {rank for name in _names(job_dir) if (rank := marker_rank(name, kind)) is not None}
 
 
 def replaced_slots(job_dir: str) -> list[int]:
     """The slots refilled in place by the ranks themselves (MPI under ULFM: ``replaced-rank<slot>-e<epoch>``),
     one entry per replacement."""
-    prefix = "replaced-rank"
-    return sorted(int(name[len(prefix):].split("-")[0]) for name in _names(job_dir)
-                  if name.startswith(prefix) and name[len(prefix):].split("-")[0].isdigit())
+    return sorted(slot for name in _names(job_dir) if (slot := marker_rank(name, "replaced", tagged=True)) is not None)
 
 
 def any_record(job_dir: str) -> bool:
