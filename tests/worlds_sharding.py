@@ -20,7 +20,7 @@ from helpers import raises
 from worlds_training import COMPRESSED, MODELS, _setup, assert_close, batch, mlp, mse, piece, poisoned_losses
 
 SHARDING = Behaviours()      # every world
-SHARDING_ACROSS = Behaviours()  # worlds of 2 or more ranks
+SHARDING_ACROSS = Behaviours()  # worlds of 2 or more ranks (on one rank, shard= changes nothing)
 EXACT = 1e-10
 STEPS = 6
 SHARDS = ("optimizer", "gradients")
@@ -131,7 +131,22 @@ def state_bytes(opt: Any) -> int:
     return sum(v.numel() * v.element_size() for v in local if hasattr(v, "numel") and v.dim() > 0)
 
 
-@SHARDING.behaviour("the-all-gather-in-pieces-smaller-than-a-slice-and-in-place-trains-like-one-process")
+@SHARDING.behaviour("the-optimizer-holds-sharded-slices-only-with-more-than-one-rank")
+def one_rank_shards_nothing() -> None:
+    """On one rank there is nothing to split: shard= leaves the optimizer's whole parameters in place."""
+    torch, pt, r, n = _setup()
+    for shard in SHARDS:
+        model = mlp(torch, 3)
+        opt = pt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), shard=shard)
+        held = opt.param_groups[0]["params"]
+        sharded = [isinstance(p, pt.ShardedTensor) for p in held]
+        assert sharded == [n > 1] * len(held), f"shard={shard} on {n} ranks: sharded slices {sharded}"
+        if n == 1:
+            assert all(p is q for p, q in zip(held, model.parameters(), strict=True)), "the parameters were replaced"
+        opt.release()
+
+
+@SHARDING_ACROSS.behaviour("the-all-gather-in-pieces-smaller-than-a-slice-and-in-place-trains-like-one-process")
 def pieces() -> None:
     from phalanx.torch import _shard_plan
 
@@ -145,7 +160,7 @@ def pieces() -> None:
         _shard_plan.PIECE_BYTES, _shard_plan.DIRECT_BYTES = saved, direct
 
 
-@SHARDING.behaviour("buckets-completed-as-soon-as-posted-train-like-one-process")
+@SHARDING_ACROSS.behaviour("buckets-completed-as-soon-as-posted-train-like-one-process")
 def at_once() -> None:
     from phalanx.torch import _shard_reducer
 
@@ -157,7 +172,7 @@ def at_once() -> None:
         _shard_reducer.AT_ONCE_BYTES = saved
 
 
-@SHARDING.behaviour("each-rank-keeps-1/N-of-the-adam-state-and-the-shards-share-the-parameters-memory")
+@SHARDING_ACROSS.behaviour("each-rank-keeps-1/N-of-the-adam-state-and-the-shards-share-the-parameters-memory")
 def memory() -> None:
     torch, pt, r, n = _setup()
     model = torch.nn.Sequential(torch.nn.Linear(31, 17), torch.nn.Linear(17, 5)).double()
@@ -171,7 +186,7 @@ def memory() -> None:
     held = phalanx.allreduce(mine)
     assert held == 2 * 8 * total, f"the ranks' Adam states add up to {held} bytes, not {2 * 8 * total}"
     shard = opt.param_groups[0]["params"][0]  # a ShardedTensor: the parameter's shape, this rank's elements
-    assert n == 1 or shard.shape == model[0].weight.shape and shard.to_local().untyped_storage().data_ptr() == \
+    assert shard.shape == model[0].weight.shape and shard.to_local().untyped_storage().data_ptr() == \
         model[0].weight.untyped_storage().data_ptr()
 
 
@@ -200,7 +215,7 @@ def checkpoints() -> None:
         assert_close(back, model, f"shard={shard} checkpoint back into a sharded optimizer", EXACT)
 
 
-@SHARDING.behaviour("sharded-grad-scaler-skips-an-inf-step-on-every-rank-and-torch-grad-scaler-is-refused")
+@SHARDING_ACROSS.behaviour("sharded-grad-scaler-skips-an-inf-step-on-every-rank-and-torch-grad-scaler-is-refused")
 def grad_scaler() -> None:
     torch, pt, r, n = _setup()
     for shard in SHARDS:
@@ -229,8 +244,6 @@ def grad_scaler() -> None:
             if step == skipped:
                 assert scalers[0].get_scale() == scalers[1].get_scale() == before / 2, "the inf step is skipped"
         assert_close(model, ref, f"ShardedGradScaler with shard={shard} on {n} ranks", EXACT)
-        if n == 1:
-            continue  # one rank shards nothing: torch's GradScaler is right there
         plain = torch.amp.GradScaler("cpu")
         opt.zero_grad()
         x, y = batch(torch, 0, (6,), n)

@@ -48,10 +48,11 @@ def _handing_over(init: Callable[..., Any]) -> Callable[..., Any]:
     """torch's ``init_process_group``, which also takes ``"phalanx"`` inside a world ``phalanx.init()`` made.
 
     There the group is made over that world (its ranks, its store), as
-    ``phalanx.torch.init_process_group()`` makes it, whatever launched the script: a world of one in
-    plain ``python`` has no torchrun variables for torch's env:// rendezvous, and on gloo/nccl
-    phalanx's own process group is torch's default, which torch refuses to make twice before any
-    backend is asked (``ValueError: trying to initialize the default process group twice!``); it is
+    ``phalanx.torch.init_process_group()`` makes it (:func:`phalanx.torch._pg_create.over_the_world`),
+    whatever launched the script: a world of one in plain ``python`` has no torchrun variables for
+    torch's env:// rendezvous, and on gloo/nccl phalanx's own process group is torch's default,
+    which torch refuses to make twice before any backend is asked (``ValueError: trying to
+    initialize the default process group twice!``); it is
     handed over. Every other call is torch's own, unchanged.
     """
 
@@ -59,10 +60,10 @@ def _handing_over(init: Callable[..., Any]) -> Callable[..., Any]:
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         name = args[0] if args else kwargs.get("backend")
         if name is not None and str(name).lower() == NAME and _in_a_world():
-            from .torch._pg_setup import init_process_group as over_the_world
+            from .torch._pg_create import over_the_world
 
             timeout = kwargs.get("timeout")
-            over_the_world(timeout=None if timeout is None else timeout.total_seconds())
+            over_the_world(NAME, None if timeout is None else timeout.total_seconds(), init)
             return None
         return init(*args, **kwargs)
 

@@ -31,9 +31,8 @@ Why it is built as it is:
 * Progress is driven by the calls that test or wait any request (the
   gradient bucket engine tests its requests from its hooks), not by a thread.
 * A large buffer goes in chunks (``CHUNK_BYTES``), each a request: while one
-  chunk crosses the link, the next is reduced within the host. On 2 hosts x 2
-  ranks at 1 Gbit/s, 1 MB chunks took a 16 MB allreduce from 175 to 149 ms
-  (4 MB chunks: 160, 256 KB: 171).
+  chunk crosses the link, the next is reduced within the host (the chunk
+  sizes tried: ``benchmarks/README.md``, "Figures behind design choices").
 """
 
 from __future__ import annotations

@@ -19,8 +19,7 @@ Design notes (why, not what):
   the data phase of any call, and in a loop of small calls that gap is half
   the time. Measured (``benchmarks/README.md``, "Bounded data phase"): with
   a core per rank the non-blocking call plus the poll costs nothing
-  measurable against the blocking call (8 B still +6.6 us over raw mpi4py,
-  64 KiB and 16 MiB within the run-to-run spread); with more ranks than
+  measurable against the blocking call; with more ranks than
   cores the poll must yield from its first tests (:mod:`._wait`). The
   requests and buffers of a data phase that timed out are kept
   (``_abandoned``): MPI may write into them until the process ends.
@@ -117,7 +116,7 @@ class MPIBackend(MPIBuffers, MPIShardOps):
         self.comm, self._diag, self._ring = comm, diag, ring
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._chk, self._chk_out = array.array("q", [0, 0]), array.array("q", [0, 0])
-        # A persistent collective (MPI-4) skips argument parsing on every call: ~1 us instead of ~2.5.
+        # A persistent collective (MPI-4) skips argument parsing on every call.
         try:
             self._agreement: Any = comm.Allreduce_init(self._chk, self._chk_out, self.MPI.MAX)
         except (NotImplementedError, self.MPI.Exception, AttributeError):

@@ -1,9 +1,8 @@
 """A ring allreduce over MPI point-to-point messages, for large buffers in worlds that span hosts.
 
 Why: across hosts over TCP, MPICH's own ``MPI_Iallreduce`` picks a
-recursive-halving schedule that kept a 1 Gbit/s link 55% busy at 16 MiB on 4
-simulated hosts, where gloo's ring kept it 95% busy (``benchmarks/README.md``,
-"Across hosts"). A ring moves the same ``2 (size-1)/size`` bytes per rank,
+recursive-halving schedule that keeps a slow link far less busy than gloo's
+ring does (``benchmarks/README.md``, "Across hosts"). A ring moves the same ``2 (size-1)/size`` bytes per rank,
 each rank only ever talking to its two neighbours, in ``2 (size-1)`` steps:
 ``size-1`` of reduce-scatter (receive a segment, add it to the local one, send
 it on) and ``size-1`` of allgather (pass the finished segments round).

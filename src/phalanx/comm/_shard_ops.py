@@ -33,8 +33,8 @@ class MPIShardOps:
 
     gathers_by_broadcast = True
     """Sharded training gathers parameters by broadcasting each rank's part in place
-    (``ShardPlan.gather``): no copy in or out of a gather buffer (the 51.4M-parameter MLP at 2 ranks:
-    32 instead of 55 ms per step for its parameters' all-gather)."""
+    (``ShardPlan.gather``): no copy in or out of a gather buffer (``benchmarks/README.md``, "Figures
+    behind design choices")."""
 
     @lost_peer_on_mpi_error
     def ireduce_scatter(self: Any, x: Any, op: str) -> MPIRequest:
@@ -101,8 +101,9 @@ class TorchShardOps:
     @property
     def gathers_by_broadcast(self: Any) -> bool:
         """Whether sharded training gathers parameters by broadcasting each rank's part in place
-        (``ShardPlan.gather``): on gloo, whose broadcast into the destination is 3x faster than its
-        all-gather, which also needs a copy in and out (64 MiB over 2 ranks: 17 vs 57 ms)."""
+        (``ShardPlan.gather``): on gloo, whose broadcast into the destination is faster than its
+        all-gather, which also needs a copy in and out (``benchmarks/README.md``, "Figures behind
+        design choices")."""
         return not self._nccl
 
     def ireduce_scatter(self: Any, x: Any, op: str) -> Any:
@@ -110,9 +111,9 @@ class TorchShardOps:
 
         On gloo, a sum or mean of 32- or 64-bit floats is a pairwise exchange: in step ``s`` each rank
         sends rank ``r+s`` its chunk of ``x`` and adds the chunk received from rank ``r-s`` (each rank
-        moves ``(size-1)*k`` elements, half an allreduce's bytes). 64 MiB over 2 ranks: gloo's own
-        reduce-scatter 58 ms, an allreduce 46 ms (57 keeping a copy of the chunk), the exchange with
-        the sum 37 ms; 4 ranks: 115, 101 (109) and 65 ms. Other dtypes and ops, and worlds of a group, are an
+        moves ``(size-1)*k`` elements, half an allreduce's bytes), faster than gloo's own reduce-scatter
+        and than an allreduce (``benchmarks/README.md``, "Figures behind design choices"). Other
+        dtypes and ops, and worlds of a group, are an
         allreduce of ``x`` in place of which this rank keeps its chunk. So ``x``'s contents are
         undefined afterwards on gloo (the engine releases the bucket anyway)."""
         if not self._nccl:
@@ -150,8 +151,8 @@ class TorchShardOps:
     def iallgather_into(self: Any, x: Any, out: Any) -> Any:
         """Post an all-gather of 1-D ``x`` into 1-D ``out`` (rank ``r``'s at ``[r*k, (r+1)*k)``).
 
-        On gloo, one broadcast from each rank into its part of ``out``: gloo's all-gather took 4x
-        as long (64 MiB over 2 ranks: 77 vs 15 ms; 4 ranks: 112 vs 37 ms)."""
+        On gloo, one broadcast from each rank into its part of ``out``: gloo's all-gather takes
+        several times as long (``benchmarks/README.md``, "Figures behind design choices")."""
         send = self._send(x)
         target = out if out.device == self.device else self._torch.empty_like(out, device=self.device)
 

@@ -56,7 +56,7 @@ class DistributedOptimizer(EngineOwner, SharedWithWrapped, torch.optim.Optimizer
     optimizer's, so checkpoints are interchangeable with plain torch ones.
     ``isinstance(opt, torch.optim.Adam)`` is False (it is True for
     ``phalanx.horovod.torch``'s): this class is not built at run time as a
-    subclass of the wrapped one (``STYLE.md``); test the wrapped optimizer,
+    subclass of the wrapped one; test the wrapped optimizer,
     ``isinstance(opt.optimizer, torch.optim.Adam)``. There is no
     ``synchronize()``: the gradients are already reduced when ``backward()``
     returns (accumulate under :meth:`no_sync`).
@@ -98,13 +98,14 @@ class DistributedOptimizer(EngineOwner, SharedWithWrapped, torch.optim.Optimizer
             the whole reduced gradient after ``backward()``.
             ``"gradients"`` (ZeRO stage 2): also the gradients are
             reduce-scattered bucket by bucket while backward runs and each
-            rank keeps only its slice; after ``backward()`` **``p.grad`` is
-            None** for the model's parameters and the reduced slices are the
-            ``.grad`` of the parameters in ``opt.param_groups``. Either way
+            rank keeps only its slice; after ``backward()`` the model's
+            ``p.grad`` is that slice as a sharded tensor (``p.grad.to_local()``
+            its elements), the same object as its slice's ``.grad``. Either way
             ``opt.param_groups`` (and ``opt.state``) hold this rank's slices:
-            1-D Parameters sharing the memory of the model's parameters.
-            Clip with :meth:`clip_grad_norm_` (the norm over every rank's
-            slices); with ``GradScaler`` use :class:`ShardedGradScaler`.
+            sharded tensors shaped like the model's parameters, sharing their
+            memory. torch's ``clip_grad_norm_(model.parameters(), c)`` (or
+            :meth:`clip_grad_norm_`) clips by the norm over every rank's
+            slices; with ``GradScaler`` use :class:`ShardedGradScaler`.
             ``state_dict()`` is the whole, unsharded state (collective), so
             checkpoints load with or without sharding, at any number of ranks.
 
@@ -135,7 +136,9 @@ class DistributedOptimizer(EngineOwner, SharedWithWrapped, torch.optim.Optimizer
         CollectiveMismatchError: the ranks wrap different parameters (names,
             shapes, dtypes, order), on every rank alike, naming the first one.
         UsageError: ``zero_grad()`` while reductions are in flight, or
-            another wrapper reduces some of these parameters and others too.
+            another wrapper reduces some of these parameters and others too;
+            at ``step()``, a parameter whose ``requires_grad`` changed since
+            wrapping (it is named; nothing is updated).
         NonFiniteGradientError: with ``nonfinite="raise"``, on every rank.
         CollectiveTimeoutError, RankFailedError: a peer stopped reducing.
     """

@@ -119,7 +119,7 @@ class DataParallel(EngineOwner, torch.nn.Module):
     Sharding (ZeRO stages 1 and 2, as torch's FSDP does it; ``docs/sharding.md``):
         shard: ``"optimizer"`` or ``"gradients"``: :meth:`parameters` (and
             ``named_parameters``) yield this rank's slice of each parameter
-            (1-D Parameters sharing the parameters' memory), so the optimizer
+            (sharded tensors shaped like the parameters, sharing their memory), so the optimizer
             made on them keeps state for about 1/N of the model; after each
             ``optimizer.step()`` the updated slices are all-gathered into the
             parameters. ``"gradients"`` also reduce-scatters the gradients:

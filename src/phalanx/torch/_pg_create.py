@@ -14,6 +14,8 @@ group is a ``CollectiveTimeoutError`` naming them. It joins (or starts) phalanx'
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from .._errors import UsageError
@@ -62,3 +64,47 @@ def _join_world() -> None:
         init()
     finally:
         del os.environ["TORCHELASTIC_USE_AGENT_STORE"]
+
+
+def over_the_world(name: str, timeout: float | None, torch_init: Callable[..., Any]) -> Any:
+    """torch's default process group as backend ``name`` ("phalanx") over phalanx's world (made first
+    when none exists); torch's ``torch_init`` (its own ``init_process_group``) makes it. What
+    ``phalanx.torch.init_process_group()`` and torch's ``init_process_group("phalanx")`` inside a
+    world both do. On gloo/nccl, phalanx's own group stops being torch's default first (it stays
+    registered, and phalanx keeps using it). Returns the group (the same one on a second call)."""
+    import torch.distributed as dist
+
+    if current_or_none() is None:
+        init()
+    world = current("phalanx.torch.init_process_group")
+    if dist.is_initialized():
+        group = dist.group.WORLD
+        if group is not None and group.name() == name:
+            return group
+        if not _owned_by(world, group):
+            raise UsageError(
+                f"phalanx.torch.init_process_group(): torch.distributed is already initialized with backend "
+                f"{dist.get_backend()!r} (by this script or its launcher). Call dist.destroy_process_group() "
+                "first, or keep that backend.")
+        _release_default()
+    seconds = timeout if timeout is not None else world.timeout
+    # torch makes its new groups' stores from the default group's: phalanx's own rendezvous store where it
+    # has one (gloo, nccl: a gloo group made later meets there), else a process-local one (mpi, local)
+    store = getattr(world.backend, "torch_store", None)
+    store = dist.HashStore() if store is None else dist.PrefixStore("phalanx-pg/", store)
+    torch_init(name, store=store, rank=world.rank, world_size=world.size, timeout=timedelta(seconds=max(seconds, 1.0)))
+    return dist.group.WORLD
+
+
+def _owned_by(world: Any, group: Any) -> bool:
+    """Whether torch's default group is phalanx's own (its gloo/nccl backend made it)."""
+    return group is not None and getattr(world.backend, "own_group", None) is group
+
+
+def _release_default() -> None:
+    """Stop counting phalanx's own gloo/nccl group as torch's default (it stays registered, so
+    phalanx's backend keeps using it by name) so that the ``"phalanx"`` group can be the default."""
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d._update_default_pg(None)
+    os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "0")

@@ -62,9 +62,9 @@ class ScatterReducer(Reducer):
     """Reduce-scatter each bucket; keep this rank's chunk; release the bucket's memory.
 
     A bucket of ``AT_ONCE_BYTES`` or more is completed as soon as it is posted, before backward
-    computes the next gradient: otherwise that gradient (as large) and this bucket exist together.
-    Measured on the 51.4M-parameter MLP at 4 ranks (mpi): 243 instead of 292 MiB per rank, for
-    step times within the noise (``benchmarks/README.md``); smaller buckets overlap backward."""
+    computes the next gradient: otherwise that gradient (as large) and this bucket exist together
+    (the per-rank peak it saves: ``benchmarks/README.md``, "Figures behind design choices"); smaller
+    buckets overlap backward."""
 
     def __init__(self, engine: Any, mirror: bool = False) -> None:
         self.index = {id(b): n for n, b in enumerate(engine.buckets)}

@@ -6,9 +6,9 @@
     ShardedOptimizerState(opt)          # .state_dict(): whole; .load_state_dict(whole): this rank's elements
 
 What :class:`~phalanx.torch.DataParallel` with ``shard="parameters"`` returns
-from ``state_dict()`` and what ``fit``'s checkpoints save: whole tensors
-under their own names and shapes, so a checkpoint loads into an unwrapped
-model, at another number of ranks, or with another ``shard``. Every rank
+from ``state_dict()``: whole tensors under their names (``module.``-prefixed,
+as any wrapper's state) and shapes, so it loads into a wrapper at another
+number of ranks or with another ``shard``. Every rank
 calls these (each whole tensor is one all-gather, in the same order on
 every rank). Loading needs no collective: each rank keeps its elements.
 """
