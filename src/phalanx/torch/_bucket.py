@@ -47,7 +47,8 @@ from ._bucket_hot import adopt_scaled, scale_unscaled
 from ._bucket_layout import lay_out
 from ._common import Compression, GradientOp, check_options, verify_same_structure, wire_dtype
 from ._ddp import refuse_ddp
-from ._engine_hooks import BucketHook, EngineHook, Reducer, reducer_for, reduces_nothing
+from ._engine_contract import BucketHook, BucketReducer, EngineHook
+from ._engine_hooks import reducer_for, reduces_nothing
 from ._finite import NonFinitePolicy, any_set, check_and_scale, nonfinite_error, ranks_with
 
 __all__ = ["GradientBuckets"]
@@ -125,7 +126,8 @@ class GradientBuckets:
         self.shadows: list[torch.Tensor] = []  # tensors whose .grad is dropped with the parameters' (shards)
         refuse_ddp(call, self.params)  # DDP would average these gradients too
         self._claim()
-        self.reducer: Reducer = reducer_for(compression, self)
+        self.shard_plan: Any = None  # a Sharding's plan (ZeRO-1/2), for its reducer and hooks
+        self.reducer: BucketReducer = reducer_for(compression, self)
         ref = weakref.ref(self)
         handles = [p.register_post_accumulate_grad_hook(functools.partial(_on_grad, ref, i))
                    for i, p in enumerate(self.params)]

@@ -50,21 +50,17 @@ design: ``docs/design.md`` ("Gradient reduction", "Extension points").
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from .. import _trace
 from ._bucket_hot import Bucket
 from ._common import backend_call
+from ._engine_contract import BucketHook, Engine, EngineHook
 from ._powersgd import DEFERRED, PowerSGD, attach_powersgd
 from ._staged import staged_if_needed
 
 __all__ = ["BucketHook", "EngineHook", "PowerSGDReducer", "Reducer", "reducer_for", "reduces_nothing"]
 
-EngineHook = Callable[[Any], None]
-"""A pass or reduction hook: called with the engine (a ``GradientBuckets``)."""
-BucketHook = Callable[[Any, Bucket], None]
-"""A bucket hook: called with the engine and a bucket whose reduced values are in place."""
 
 
 class Reducer:
@@ -72,7 +68,7 @@ class Reducer:
     the engine's world, of the bucket's 16-bit copy when compressed. Subclass it (or give any object
     with these three methods) and set ``engine.reducer`` before the first backward."""
 
-    def launch(self, engine: Any, index: int) -> Any:
+    def launch(self, engine: Engine, index: int) -> Any:
         """Post the reduction of ``engine.buckets[index]`` (its ``flat`` holds this rank's scaled
         gradients, presence slots and flag) and return the request: ``test() -> bool`` and
         ``wait(timeout)``. Called in bucket order, the same on every rank."""
@@ -84,15 +80,15 @@ class Reducer:
             _trace.bucket_launch(bucket, engine.call, index, send, len(bucket.params))
         return request
 
-    def prepare(self, engine: Any, index: int) -> None:
+    def prepare(self, engine: Engine, index: int) -> None:
         """Before ``engine.buckets[index]`` is first written in a cycle while its memory is released
         (``bucket.live`` is False: only a reducer that releases buckets sees this call): revive it."""
         engine.buckets[index].revive()
 
-    def flush(self, engine: Any) -> None:
+    def flush(self, engine: Engine) -> None:
         """After the last launch of a reduction, before any bucket is completed: nothing here."""
 
-    def complete(self, engine: Any, bucket: Bucket) -> None:
+    def complete(self, engine: Engine, bucket: Bucket) -> None:
         """Wait for ``bucket.request`` (within the world's timeout) and leave the sum in ``bucket.flat``."""
         world = engine.world
         backend_call(world, engine.call, bucket.request.wait, world.timeout)
@@ -107,14 +103,14 @@ class PowerSGDReducer(Reducer):
     def __init__(self, state: PowerSGD) -> None:
         self.state = state
 
-    def launch(self, engine: Any, index: int) -> Any:
+    def launch(self, engine: Engine, index: int) -> Any:
         return DEFERRED
 
-    def flush(self, engine: Any) -> None:
+    def flush(self, engine: Engine) -> None:
         self.state.reduce(engine)
 
 
-def reducer_for(compression: Any, engine: Any) -> Reducer:
+def reducer_for(compression: Any, engine: Engine) -> Reducer:
     """The reducer a new engine starts with: PowerSGD's for that compression (its state laid out for
     ``engine``), else the plain allreduce (through pinned host buffers for CUDA buckets on a transport
     that reduces on the host: :func:`._staged.staged_if_needed`)."""
@@ -122,7 +118,7 @@ def reducer_for(compression: Any, engine: Any) -> Reducer:
     return staged_if_needed(engine, Reducer()) if state is None else PowerSGDReducer(state)
 
 
-def reduces_nothing(engine: Any) -> bool:
+def reduces_nothing(engine: Engine) -> bool:
     """Whether a reduction would leave every gradient as it is: a world of one with the plain reducer,
     no factor, no 16-bit wire, no check or hook. The engine then neither copies gradients into its
     buckets nor calls the backend (a world of one costs nothing)."""

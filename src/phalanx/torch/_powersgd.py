@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .._errors import InvalidArgumentError, UsageError
+from ._engine_contract import Engine
 
 __all__ = ["PowerSGD", "attach_powersgd", "is_powersgd"]
 
@@ -190,7 +191,7 @@ class PowerSGD:
             lay.error.copy_(error)
 
     # -- the engine's side -------------------------------------------------------------------------
-    def _attach(self, engine: Any) -> None:
+    def _attach(self, engine: Engine) -> None:
         """Lay out the state for ``engine``'s buckets (a new engine starts afresh)."""
         other = self._engine() if self._engine is not None else None
         if other is not None and other is not engine and not other.closed:
@@ -203,7 +204,7 @@ class PowerSGD:
         layouts: dict[tuple[torch.dtype, torch.device], _Layout] = {}
         for bucket in engine.buckets:
             lay = layouts.setdefault((bucket.flat.dtype, bucket.flat.device), _Layout())
-            base, done = bucket.flat.storage_offset(), 0
+            base, done = int(bucket.flat.storage_offset()), 0
             for i in bucket.params:
                 view = engine.views[i]
                 shape = view.shape
@@ -213,7 +214,7 @@ class PowerSGD:
                 r = min(self.rank, n, m)
                 if n * m == 0 or not n * m > self.min_compression_rate * r * (n + m):
                     continue
-                start = view.storage_offset() - base
+                start = int(view.storage_offset()) - base
                 if start > done:
                     lay.segments.append(bucket.flat[done:start])
                 lay.shapes.append((view.view(n, m), r))
@@ -227,7 +228,7 @@ class PowerSGD:
         self._compressed_bytes = sum((lay.p.numel() + lay.q.numel() + lay.rest.numel()) * lay.rest.element_size()
                                      for lay in self._layouts)
 
-    def reduce(self, engine: Any) -> None:
+    def reduce(self, engine: Engine) -> None:
         """Sum the engine's prepared buckets over its ranks: plainly in warm-up (each bucket's request
         posted), else low-rank (done here; every bucket's request is left as DEFERRED)."""
         world, call = engine.world, engine.call
@@ -331,7 +332,7 @@ def is_powersgd(compression: Any) -> bool:
     return isinstance(compression, PowerSGD) or (isinstance(compression, str) and compression == "powersgd")
 
 
-def attach_powersgd(compression: Any, engine: Any) -> PowerSGD | None:
+def attach_powersgd(compression: Any, engine: Engine) -> PowerSGD | None:
     """The PowerSGD state laid out for ``engine`` (a new one for ``"powersgd"``), or None for other compressions."""
     if not is_powersgd(compression):
         return None

@@ -30,6 +30,7 @@ import torch
 from .. import _trace
 from ._bucket_hot import Bucket
 from ._common import backend_call
+from ._engine_contract import Engine
 from ._engine_hooks import Reducer
 from ._shard_plan import ShardPlan
 from ._shard_tensor import ShardedTensor
@@ -66,21 +67,21 @@ class ScatterReducer(Reducer):
     (the per-rank peak it saves: ``benchmarks/README.md``, "Figures behind design choices"); smaller
     buckets overlap backward."""
 
-    def __init__(self, engine: Any, mirror: bool = False) -> None:
+    def __init__(self, engine: Engine, mirror: bool = False) -> None:
         self.index = {id(b): n for n, b in enumerate(engine.buckets)}
         self.chunks: list[torch.Tensor | None] = [None] * len(engine.buckets)  # the kept reduced chunks
         self._pending: list[int] = []  # launched, not yet completed, in order
         self.mirror = mirror  # the whole parameters' .grad is their shard's (see _point_grads)
         engine.bucket_hooks.append(_point_grads)
 
-    def prepare(self, engine: Any, index: int) -> None:
+    def prepare(self, engine: Engine, index: int) -> None:
         while self._pending and self._pending[0] < index:
             self._drain(engine, self._pending.pop(0))
         bucket = engine.buckets[index]
         if not _borrow(engine, bucket):
             bucket.revive()
 
-    def launch(self, engine: Any, index: int) -> Any:
+    def launch(self, engine: Engine, index: int) -> Any:
         bucket = engine.buckets[index]
         world = engine.world
         send = bucket.flat if bucket.wire is None else bucket.wire.copy_(bucket.flat)
@@ -96,13 +97,13 @@ class ScatterReducer(Reducer):
             self._drain(engine, index)
         return request
 
-    def complete(self, engine: Any, bucket: Bucket) -> None:
+    def complete(self, engine: Engine, bucket: Bucket) -> None:
         index = self.index[id(bucket)]
         if index in self._pending:
             self._pending.remove(index)
             self._drain(engine, index)
 
-    def _drain(self, engine: Any, index: int) -> None:
+    def _drain(self, engine: Engine, index: int) -> None:
         bucket = engine.buckets[index]
         world = engine.world
         chunk = backend_call(world, engine.call, bucket.request.wait, world.timeout)
@@ -110,7 +111,7 @@ class ScatterReducer(Reducer):
         bucket.release()
 
 
-def _borrow(engine: Any, bucket: Bucket) -> bool:
+def _borrow(engine: Engine, bucket: Bucket) -> bool:
     """A bucket of one parameter that fills it exactly (no padding, no 16-bit copy) takes over the
     memory of autograd's fresh gradient of it, which the engine then scales in place: no copy and no
     second gradient-sized buffer while it is reduced (the layer's gradient is the transient)."""
@@ -129,14 +130,16 @@ def _borrow(engine: Any, bucket: Bucket) -> bool:
     return True
 
 
-def _point_grads(engine: Any, bucket: Bucket) -> None:
+def _point_grads(engine: Engine, bucket: Bucket) -> None:
     """After a bucket is reduced: its shards' ``.grad`` the kept chunk; its parameters' ``.grad`` None,
     or with ``mirror`` the same sharded gradient as their shard's (so that torch's ``clip_grad_norm_``
     over the model's parameters takes the global norm and scales the slices the optimizer updates)."""
     reducer = engine.reducer
+    assert isinstance(reducer, ScatterReducer), reducer  # its own bucket hook, installed with it
     plan: ShardPlan = engine.shard_plan
     index = reducer.index[id(bucket)]
     chunk, reducer.chunks[index] = reducer.chunks[index], None  # the slices' .grad hold it from here
+    assert chunk is not None, index  # _drain kept it when the bucket completed
     seen = bucket.presence.tolist()
     for j, i in enumerate(bucket.params):
         engine.params[i].grad = plan.shards[i].grad if reducer.mirror else None

@@ -28,7 +28,9 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._errors import InvalidArgumentError, UsageError
+from ._bucket_hot import Bucket
 from ._common import verify_same_structure
+from ._engine_contract import Engine
 from ._powersgd import is_powersgd
 from ._shard_plan import ShardPlan, check_elementwise
 from ._shard_reducer import ScatterReducer, unmirror_before_accumulating
@@ -81,7 +83,7 @@ def check_shard(call: str, shard: Any, compression: Any, group: Any, modules: bo
 class Sharding:
     """This rank's part of the training state, for one engine (``engine.shard_plan`` is its plan)."""
 
-    def __init__(self, engine: Any, shard: str, call: str, group: Any, mirror_grads: bool = False) -> None:
+    def __init__(self, engine: Engine, shard: str, call: str, group: Any, mirror_grads: bool = False) -> None:
         """``mirror_grads``: with ``"gradients"``, each whole parameter's ``.grad`` is its shard's sharded
         gradient after backward (not None), so that torch's ``clip_grad_norm_(model.parameters())``
         clips by the global norm (``DistributedOptimizer``, whose user holds the model's parameters)."""
@@ -242,7 +244,7 @@ def whole_state(optimizer: Any) -> Any:
     return optimizer if sharding is None else _WholeState(sharding, optimizer)
 
 
-def _view_grads(engine: Any, bucket: Any) -> None:
+def _view_grads(engine: Engine, bucket: Bucket) -> None:
     """Stage 1's bucket hook: the shards of a reduced bucket's parameters get views of its gradients."""
     _point(engine.shard_plan, bucket.params)
 

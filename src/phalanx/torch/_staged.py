@@ -27,11 +27,12 @@ import torch
 
 from ..comm._staging import stages_cuda
 from ._bucket_hot import Bucket
+from ._engine_contract import Engine
 
 __all__ = ["StagedReducer", "staged_if_needed"]
 
 
-def staged_if_needed(engine: Any, inner: Any) -> Any:
+def staged_if_needed(engine: Engine, inner: Any) -> Any:
     """``inner`` wrapped in a :class:`StagedReducer` where the engine's world stages CUDA buckets through
     the host (more than one rank, a host-reducing transport, some CUDA bucket, no padded layout);
     else ``inner`` itself."""
@@ -48,7 +49,7 @@ class _HostSide:
 
     __slots__ = ("buckets", "world", "call")
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.world, self.call = engine.world, engine.call
         self.buckets = [_twin(b) if b.flat.is_cuda else b for b in engine.buckets]
 
@@ -99,12 +100,12 @@ class StagedReducer:
     """The wrapper of ``inner`` (any reducer: ``launch`` / ``prepare`` / ``flush`` / ``complete``); see
     the module docstring. ``inner`` sees twins whose ``flat`` is pinned host memory."""
 
-    def __init__(self, inner: Any, engine: Any) -> None:
+    def __init__(self, inner: Any, engine: Engine) -> None:
         self.inner = inner
         self.host = _HostSide(engine)
         self._side = {b.flat.device: torch.cuda.Stream(b.flat.device) for b in engine.buckets if b.flat.is_cuda}
 
-    def launch(self, engine: Any, index: int) -> StagedRequest:
+    def launch(self, engine: Engine, index: int) -> StagedRequest:
         """Queue the copy of ``engine.buckets[index]`` out to its twin; the reduction is posted once it lands."""
         bucket, twin = engine.buckets[index], self.host.buckets[index]
         if twin is bucket:
@@ -118,18 +119,18 @@ class StagedReducer:
             event.record(side)
         return StagedRequest(self, index, event)
 
-    def prepare(self, engine: Any, index: int) -> None:
+    def prepare(self, engine: Engine, index: int) -> None:
         """As the inner reducer's (buckets are released only in padded layouts, which are not staged)."""
         self.inner.prepare(engine, index)
 
-    def flush(self, engine: Any) -> None:
+    def flush(self, engine: Engine) -> None:
         """Post every launched reduction (in bucket order), then the inner reducer's flush."""
         for bucket in engine.buckets:
             if isinstance(bucket.request, StagedRequest):
                 bucket.request.start()
         self.inner.flush(self.host)
 
-    def complete(self, engine: Any, bucket: Bucket) -> None:
+    def complete(self, engine: Engine, bucket: Bucket) -> None:
         """The inner reducer completes the twin; the sum goes back to ``bucket.flat`` on the compute stream."""
         request: StagedRequest = bucket.request
         twin = self.host.buckets[request.index]

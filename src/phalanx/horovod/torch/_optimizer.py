@@ -28,6 +28,7 @@ import phalanx
 
 from ..._errors import InvalidArgumentError, UnsupportedArgumentError
 from ...torch._bucket import GradientBuckets
+from ...torch._engine_contract import Engine
 from .._errors import GradientSyncOrderError
 from . import _sparse_grads
 from ._basics import _on_reform, _on_shutdown
@@ -93,15 +94,16 @@ class _Buckets(GradientBuckets):
         return self.in_flight or self.unreduced or self.reductions > self.synced_at
 
 
-def _check_pass(engine: _Buckets) -> None:
+def _check_pass(engine: Engine) -> None:
     """Each backward pass: none may follow a reduction that step()/synchronize() has not consumed."""
+    assert isinstance(engine, _Buckets), engine  # its own pass hook, installed by _Buckets
     if engine.guard and engine.reductions > engine.synced_at:
         raise GradientSyncOrderError(
             f"{_CALL}: {_TOO_MANY} (This backward pass came after the gradients were already reduced "
             "for this step; call optimizer.step() or optimizer.synchronize() first.)")
 
 
-def _postscale(factor: float, engine: _Buckets, bucket: Any) -> None:
+def _postscale(factor: float, engine: Engine, bucket: Any) -> None:
     """Each reduced bucket: Horovod's scaling after the sum (``f/size`` with gradient_predivide_factor)."""
     bucket.grads.mul_(factor)
 
