@@ -21,9 +21,13 @@ timeout error then says so).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol, get_args, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias, get_args, runtime_checkable
 
-__all__ = ["OPS", "Backend", "DiagnosisUnavailable", "GradientOp", "Op", "PeerLost", "Request", "WaitTimeout"]
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+__all__ = ["OPS", "Backend", "Data", "DiagnosisUnavailable", "GradientOp", "Op", "PeerLost", "Request", "WaitTimeout"]
 
 Op = Literal["sum", "prod", "min", "max", "avg"]
 Op.__doc__ = """The reduction ops of phalanx.allreduce, reduce, reduce_scatter and iallreduce (``op=``).
@@ -55,6 +59,11 @@ class WaitTimeout(Exception):
 
 class PeerLost(Exception):
     """The transport reported a dead or disconnected peer (internal)."""
+
+
+Data: TypeAlias = "np.ndarray | torch.Tensor"
+"""What a backend moves: a NumPy array (host memory) or a torch tensor (host or device), contiguous,
+of a dtype the transport carries (``phalanx._arrays`` prepares it); a result is the same kind."""
 
 
 class DiagnosisUnavailable(Exception):
@@ -103,31 +112,31 @@ class Backend(Protocol):
         """After a timeout: (ranks that never reported, {rank: call it is stuck in})."""
 
     # -- data -------------------------------------------------------------
-    def allreduce(self, x: Any, op: str, inplace: bool, timeout: float) -> Any: ...
-    def iallreduce(self, x: Any, op: str, inplace: bool) -> Request: ...
-    def broadcast(self, x: Any, root: int, inplace: bool, timeout: float) -> Any: ...
-    def ibroadcast(self, x: Any, root: int, inplace: bool) -> Request: ...
-    def reduce(self, x: Any, op: str, root: int, inplace: bool, timeout: float) -> Any: ...
-    def allgather(self, x: Any, timeout: float) -> Any: ...
-    def gather(self, x: Any, root: int, timeout: float) -> Any: ...
-    def reduce_scatter(self, x: Any, op: str, timeout: float) -> Any: ...
-    def ireduce_scatter(self, x: Any, op: str) -> Request:
+    def allreduce(self, x: Data, op: str, inplace: bool, timeout: float) -> Data: ...
+    def iallreduce(self, x: Data, op: str, inplace: bool) -> Request: ...
+    def broadcast(self, x: Data, root: int, inplace: bool, timeout: float) -> Data: ...
+    def ibroadcast(self, x: Data, root: int, inplace: bool) -> Request: ...
+    def reduce(self, x: Data, op: str, root: int, inplace: bool, timeout: float) -> Data: ...
+    def allgather(self, x: Data, timeout: float) -> Data: ...
+    def gather(self, x: Data, root: int, timeout: float) -> Data: ...
+    def reduce_scatter(self, x: Data, op: str, timeout: float) -> Data: ...
+    def ireduce_scatter(self, x: Data, op: str) -> Request:
         """Post a reduce-scatter of 1-D ``x`` (``size * k`` elements): the request's result is a new
         1-D array of this rank's ``k`` reduced elements (sharded gradients). ``x`` may be overwritten
         (a transport may reduce it in place)."""
 
-    def iallgather_into(self, x: Any, out: Any) -> Request:
+    def iallgather_into(self, x: Data, out: Data) -> Request:
         """Post an all-gather of 1-D ``x`` (``k`` elements) into 1-D ``out`` (``size * k``, same dtype
         and device): rank ``r``'s ``x`` at ``out[r*k:(r+1)*k]``; the result is ``out``."""
 
-    def alltoall(self, x: Any, timeout: float) -> Any: ...
+    def alltoall(self, x: Data, timeout: float) -> Data: ...
     def barrier(self, timeout: float) -> None: ...
 
     # -- point to point (phalanx._p2p checks and tags them) --------------------------
-    def isend(self, x: Any, dst: int, tag: int) -> Request:
+    def isend(self, x: Data, dst: int, tag: int) -> Request:
         """Post a send of ``x`` to rank ``dst`` with ``tag``; ``x`` stays untouched until it completes."""
 
-    def irecv(self, x: Any, src: int, tag: int) -> Request:
+    def irecv(self, x: Data, src: int, tag: int) -> Request:
         """Post a receive from rank ``src`` with ``tag`` into ``x`` (its shape and dtype); the result is
         the data (``x``, filled in)."""
 
