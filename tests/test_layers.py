@@ -26,7 +26,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # Leaf modules everything uses: exceptions, settings, atomic files, what a buffer is and which
     # device a rank uses (the backends move Buffers and the nccl backend picks devices: below comm).
     ("base", ("phalanx._errors", "phalanx._settings", "phalanx._files", "phalanx._arrays", "phalanx._devices",
-              "phalanx._net", "phalanx._drain")),
+              "phalanx._net", "phalanx._drain",
+              "phalanx._layout")),  # the sharding layout, which torch and JAX sharding both use
     ("comm", ("phalanx.comm", "phalanx.comm.")),
     # _current holds which world is this process's, below _world so that the trace recorder (which the
     # world calls) can read it for start_trace.

@@ -32,6 +32,7 @@ from typing import Any
 
 from ._arrays import UnsupportedArgumentError
 from ._errors import InvalidArgumentError
+from ._layout import chunk_size
 from ._world import current
 
 __all__ = ["REMAINDERS", "DistributedDataContainer", "partition", "resolve_rank_size"]
@@ -48,7 +49,7 @@ def partition(n: int, rank: int, size: int, remainder: str = "pad") -> range | l
     if remainder == "pad":
         if n == 0:
             return range(0)
-        per = -(-n // size)
+        per = chunk_size(n, size)  # ceil(n / size): the layout's chunk (phalanx._layout)
         start = rank * per
         if start + per <= n:
             return range(start, start + per)

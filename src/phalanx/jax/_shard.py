@@ -10,7 +10,8 @@
 
 The parameter pytree is flattened (its leaves in ``jax.tree_util`` order,
 each raveled) into one vector of P elements, padded with zeros to ``N * k``
-(``k = ceil(P / N)``); rank ``r`` owns elements ``[r*k, (r+1)*k)``. ``update``
+(``k = ceil(P / N)``, at least 1); rank ``r`` owns elements ``[r*k, (r+1)*k)``
+(the layout of :mod:`phalanx._layout`). ``update``
 flattens the gradients, reduce-scatters them (``phalanx.reduce_scatter``:
 rank ``r`` receives the average of its slice), runs the transformation on the
 slice (with the slice of the parameters), all-gathers the updated slices and
@@ -43,6 +44,7 @@ import phalanx
 from .._agreement import agree
 from .._errors import CollectiveMismatchError, InvalidArgumentError, UsageError
 from .._groups import world_for
+from .._layout import chunk_size, offsets, padded_size, rank_range
 from ..comm import GradientOp
 from ._elementwise import for_shard
 from ._jit import traced_allreduce
@@ -101,7 +103,8 @@ class _Layout:
         self.sizes = [math.prod(s) for s in self.shapes]
         self.total = sum(self.sizes)
         self.n, self.rank = n, rank
-        self.k = max(1, -(-self.total // n))
+        self.k = chunk_size(self.total, n, minimum=1)
+        self.padded = padded_size(self.total, n, minimum=1)  # n * k
 
     def key(self) -> list[Any]:
         return [str(self.treedef), str(self.dtype), [list(s) for s in self.shapes]]
@@ -116,18 +119,19 @@ class _Layout:
         return leaves
 
     def flatten(self, tree: Any, what: str, call: str, dtype: Any = None) -> Any:
-        """``tree``'s leaves raveled, concatenated and padded to ``n * k`` elements."""
+        """``tree``'s leaves raveled, concatenated and zero-padded to ``n * k`` elements (``self.padded``)."""
         leaves = self.check(tree, what, call)
         dtype = self.dtype if dtype is None else dtype
         flat = [jnp.ravel(jnp.asarray(x, dtype)) for x in leaves]
-        pad = self.n * self.k - self.total
+        pad = self.padded - self.total
         return jnp.concatenate(flat + ([jnp.zeros(pad, dtype)] if pad else []))
 
     def mine(self, flat: Any) -> Any:
-        return flat[self.rank * self.k:(self.rank + 1) * self.k]
+        lo, hi = rank_range(self.padded, self.n, self.rank)  # of the padded vector: k elements
+        return flat[lo:hi]
 
     def unflatten(self, flat: Any) -> Any:
-        ends = np.cumsum(self.sizes)[:-1].tolist()
+        ends = offsets(self.sizes)[1:]
         pieces = jnp.split(flat[:self.total], ends)
         return jax.tree_util.tree_unflatten(self.treedef, [p.reshape(s) for p, s in zip(pieces, self.shapes,
                                                                                         strict=True)])
@@ -188,9 +192,9 @@ class _Sharded:
     def _allgather(self, part: Any, layout: _Layout) -> Any:
         def host(x: Any) -> np.ndarray:
             out = phalanx.allgather(np.asarray(x), group=self.group)
-            return np.asarray(out, dtype=layout.dtype).reshape(layout.n * layout.k)
+            return np.asarray(out, dtype=layout.dtype).reshape(layout.padded)
 
-        return io_callback(host, jax.ShapeDtypeStruct((layout.n * layout.k,), layout.dtype), part, ordered=True)
+        return io_callback(host, jax.ShapeDtypeStruct((layout.padded,), layout.dtype), part, ordered=True)
 
     def _slice_template(self, layout: _Layout) -> Any:
         return jax.eval_shape(self.tx.init, jax.ShapeDtypeStruct((layout.k,), layout.dtype))

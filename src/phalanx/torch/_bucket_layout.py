@@ -11,7 +11,9 @@ run closes at ``min(first_mb, cap_mb)`` so communication starts early, the
 others at ``cap_mb``. Buckets are numbered in the order their runs opened.
 Each flat buffer holds the gradients, one presence slot per parameter and one
 non-finite flag (:class:`~._bucket_hot.Bucket`); a 16-bit copy is made for
-``wire_dtype`` unless the gradients are 16-bit already.
+``wire_dtype`` unless the gradients are 16-bit already. With ``pad`` (sharding
+over ``pad`` ranks) each flat buffer is padded to ``pad`` equal chunks, the
+layout of :mod:`phalanx._layout` (:func:`~phalanx._layout.padded_size`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .._layout import padded_size
 from ._bucket_hot import Bucket
 
 __all__ = ["lay_out"]
@@ -66,7 +69,7 @@ def lay_out(params: Sequence[torch.Tensor], *, cap_mb: float, first_mb: float,
         first = params[indices[0]]
         numel = sum(params[i].numel() for i in indices)
         if pad is not None:  # views need a tensor of the full size; empty() touches no memory before release
-            flat = torch.empty(-(-numel // pad) * pad, dtype=first.dtype, device=first.device)
+            flat = torch.empty(padded_size(numel, pad), dtype=first.dtype, device=first.device)
             tail = torch.zeros(len(indices) + 1, dtype=first.dtype, device=first.device)
         else:
             flat, tail = torch.zeros(numel + len(indices) + 1, dtype=first.dtype, device=first.device), None

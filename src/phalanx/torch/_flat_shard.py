@@ -15,9 +15,10 @@ are reduce-scattered in ``reduce_dtype`` (default ``param_dtype``) and the
 shards' ``.grad`` are in the master dtype, as the optimizer's state.
 
 The parameters (``n`` elements together) are laid end to end and padded to
-``N * k`` with ``k = ceil(n / N)``; rank ``r`` keeps elements
-``[r*k, (r+1)*k)`` in :attr:`local`, its master shard. A parameter's shard
-is the part of it inside that chunk (possibly empty). Gathering is one
+``N * k`` with ``k = ceil(n / N)`` (at least 1; the layout of
+:mod:`phalanx._layout`); rank ``r`` keeps elements ``[r*k, (r+1)*k)`` in
+:attr:`local`, its master shard. A parameter's shard is the part of it
+inside that chunk (possibly empty). Gathering is one
 all-gather of the chunks straight into the whole buffer, whose views are the
 unit's whole parameters (one leaf tensor each, the same object at every
 gather, so autograd's saved tensors see the data again when backward
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .._layout import chunk_size, offsets, padded_size, param_bounds, rank_range
 from ._common import backend_call
 from ._shard_tensor import ShardedTensor, ShardSpec
 
@@ -52,24 +54,20 @@ class FlatShard:
         mixed = param_dtype is not None and first.is_floating_point()
         self.compute_dtype = param_dtype if mixed else self.dtype  # the gathered whole parameters'
         self.reduce_dtype = reduce_dtype if mixed and reduce_dtype is not None else self.compute_dtype
-        self.offsets: list[int] = []
-        at = 0
-        for _, p in named:
-            self.offsets.append(at)
-            at += p.numel()
-        self.n = at
-        self.k = k = max(1, -(-at // size))
-        lo = rank * k
+        numels = [p.numel() for _, p in named]
+        self.offsets: list[int] = offsets(numels)
+        self.n = n = sum(numels)
+        self.k = k = chunk_size(n, size, minimum=1)
+        self.padded = padded_size(n, size, minimum=1)  # size * k
+        lo = rank_range(self.padded, size, rank)[0]  # where this rank's chunk starts
         self.local = torch.zeros(k, dtype=self.dtype, device=self.device)  # the master shard
-        self.whole = torch.zeros(size * k, dtype=self.compute_dtype, device=self.device)
+        self.whole = torch.zeros(self.padded, dtype=self.compute_dtype, device=self.device)
         self.shards: list[ShardedTensor] = []  # nn.Parameters (``_is_param``), as DTensor parameters are
         self.wholes: list[torch.nn.Parameter] = []
         self.ranges: list[tuple[int, int]] = []  # each parameter's elements in this rank's chunk
         with torch.no_grad():
-            for (name, p), off in zip(named, self.offsets, strict=True):
-                m = p.numel()
-                bounds = tuple((min(max(r * k - off, 0), m), min(max((r + 1) * k - off, 0), m))
-                               for r in range(size))
+            for (name, p), off, m in zip(named, self.offsets, numels, strict=True):
+                bounds = param_bounds(off, m, n, size)
                 a, b = bounds[rank]
                 self.ranges.append((a, b))
                 spec = ShardSpec(name, p.shape, unit, owner, a, b, bounds)
@@ -141,7 +139,7 @@ class FlatShard:
         the shards' ``.grad``; the wholes' ``.grad`` are released. A parameter no rank had a gradient
         for keeps its shard's ``.grad`` unchanged (None: the optimizer skips it, as it would the whole)."""
         world, size = self.world, self.world.size
-        send = torch.zeros(size * self.k, dtype=self.reduce_dtype, device=self.device)
+        send = torch.zeros(self.padded, dtype=self.reduce_dtype, device=self.device)
         seen = torch.zeros(len(self.wholes), dtype=torch.float32, device=self.device)
         for j, (w, off) in enumerate(zip(self.wholes, self.offsets, strict=True)):
             if w.grad is not None:
@@ -160,7 +158,7 @@ class FlatShard:
             chunk = chunk.to(self.dtype)
         if average and size > 1:
             chunk.div_(size)
-        lo = world.rank * self.k
+        lo = rank_range(self.padded, size, world.rank)[0]
         had = seen.tolist()  # one host synchronization, not one per parameter
         for j, (shard, off) in enumerate(zip(self.shards, self.offsets, strict=True)):
             if had[j] == 0:

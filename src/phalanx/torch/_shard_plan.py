@@ -9,26 +9,30 @@
     plan.gather()                            # after the update: every rank's slices into every parameter
 
 Each bucket's gradients (``n`` elements, in the engine's layout) split into
-``size`` chunks of ``k = ceil(n / size)``: rank ``r`` owns elements
-``[r*k, min((r+1)*k, n))``, so shards differ by at most ``k`` elements per
-bucket and the last ranks' may be shorter or empty. The same split serves
-the reduce-scatter of ``shard="gradients"`` (the bucket padded to
-``size * k``) and the all-gather of the updated parameters. A parameter's
-slice is the part of its flattened elements inside this rank's chunk; its
-shard parameter is a view of the parameter's own memory, so the optimizer's
-in-place update changes the model's parameter directly, and the all-gather
-writes the other ranks' slices next to it.
+``size`` chunks of ``k = ceil(n / size)`` (the layout of :mod:`phalanx._layout`):
+rank ``r`` owns elements ``[r*k, min((r+1)*k, n))``, so shards differ by at
+most ``k`` elements per bucket and the last ranks' may be shorter or empty.
+The same split serves the reduce-scatter of ``shard="gradients"`` (the
+bucket padded to ``size * k``) and the all-gather of the updated
+parameters. A parameter's slice is the part of its flattened elements
+inside this rank's chunk; its shard parameter is a view of the parameter's
+own memory, so the optimizer's in-place update changes the model's
+parameter directly, and the all-gather writes the other ranks' slices next
+to it.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Any
 
 import torch
 
 from .._errors import InvalidArgumentError
+from .._layout import chunk_size, param_bounds, rank_bounds, rank_range
 from ._common import backend_call
+from ._engine_contract import Engine
 from ._shard_tensor import ShardedTensor, ShardOwner, ShardSpec
 
 __all__ = ["ELEMENTWISE", "ShardPlan", "check_elementwise"]
@@ -37,7 +41,6 @@ ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", 
                "Rprop")
 """torch.optim optimizers whose update of an element reads only that element's state and gradient
 (and per-parameter counters), so a slice of a parameter updates exactly as the whole would."""
-COUNTERS = frozenset({"step", "eta", "mu", "mu_product"})  # per-parameter scalars in torch.optim states
 PIECE_BYTES = 4 << 20  # per rank and all-gather: the transient is WINDOW * (size + 1) pieces
 DIRECT_BYTES = 1 << 20  # gathering by broadcast: a rank's part of a parameter this large goes in place
 WINDOW = 2  # all-gathers in flight at once: overlap without a full-size transient
@@ -59,7 +62,10 @@ def check_elementwise(call: str, optimizer: torch.optim.Optimizer, shard: str) -
 class ShardPlan(ShardOwner):
     """This rank's slice of every parameter of ``engine`` (a GradientBuckets), and the all-gather."""
 
-    def __init__(self, engine: Any, call: str, group: Any = None) -> None:
+    def __init__(self, engine: Engine, call: str, group: Any = None, front: Any = None) -> None:
+        """``front``: the object that made this plan and owns it (a ``Sharding``), held weakly and found
+        from any slice through its spec (``shard_of(slice).owner.front()``)."""
+        self.front = None if front is None else weakref.ref(front)
         # the engine's buckets, parameters and world, not the engine: it holds this plan (no cycle)
         self.buckets, self.params, self.world = engine.buckets, engine.params, engine.world
         self.names = engine.names
@@ -74,16 +80,13 @@ class ShardPlan(ShardOwner):
         self.offsets: list[int] = [0] * len(engine.params)  # each parameter's start in its bucket
         for bucket in engine.buckets:
             n = bucket.grads.numel()
-            k = -(-n // size)
-            lo, hi = min(rank * k, n), min((rank + 1) * k, n)
-            self._chunks.append((k, lo, hi))
-            base = bucket.flat.storage_offset()
-            for i in bucket.params:
+            self._chunks.append((chunk_size(n, size), *rank_range(n, size, rank)))
+            base = int(bucket.flat.storage_offset())
+            offs = [int(engine.views[i].storage_offset()) - base for i in bucket.params]
+            mine = rank_bounds(offs, [engine.params[i].numel() for i in bucket.params], n, size, rank)
+            for i, off, ab in zip(bucket.params, offs, mine, strict=True):
                 self.bucket_of[i] = len(self._chunks) - 1
-                off = engine.views[i].storage_offset() - base
-                m = engine.params[i].numel()
-                a, b = min(max(lo - off, 0), m), min(max(hi - off, 0), m)
-                self.slices[i] = (a, max(a, b))
+                self.slices[i] = ab
                 self.offsets[i] = off
         # where each parameter's slice starts in this rank's chunk of its bucket
         self.positions = [self.offsets[i] + self.slices[i][0] - self._chunks[self.bucket_of[i]][1]
@@ -145,10 +148,10 @@ class ShardPlan(ShardOwner):
         world = self.world
         backend_call(world, self.call, request.wait, world.timeout)
         out = slot[1][:length * self.size]
-        k, n = self._chunks[b][0], self.buckets[b].grads.numel()
+        n = self.buckets[b].grads.numel()
         for r in range(self.size):
-            start = r * k + j
-            stop = min(start + length, (r + 1) * k, n)
+            lo, hi = rank_range(n, self.size, r)
+            start, stop = lo + j, min(lo + j + length, hi)  # piece j of rank r's chunk
             if stop > start:
                 self._copy(b, start, stop, out[r * length:r * length + stop - start], into_params=True)
         return slot
@@ -212,18 +215,16 @@ class ShardPlan(ShardOwner):
         """The broadcasts of :meth:`_broadcast_all`, the same list on every rank: (root, [(parameter,
         first, stop) of its flattened elements], whether in place)."""
         casts: list[tuple[int, list[tuple[int, int, int]], bool]] = []
-        for b, bucket in enumerate(self.buckets):
-            k, n = self._chunks[b][0], bucket.grads.numel()
+        for bucket in self.buckets:
             width = bucket.flat.element_size()
             limit = max(1, PIECE_BYTES // width)
             order = sorted(bucket.params, key=lambda i: self.offsets[i])
+            every = {i: self.bounds(i) for i in order}
             for r in range(self.size):
-                lo, hi = min(r * k, n), min((r + 1) * k, n)
                 run: list[tuple[int, int, int]] = []
                 count = 0
                 for i in order:
-                    off, m = self.offsets[i], self.params[i].numel()
-                    a, e = min(max(lo - off, 0), m), min(max(hi - off, 0), m)
+                    a, e = every[i][r]
                     if e > a and (e - a) * width >= DIRECT_BYTES:
                         casts.append((r, [(i, a, e)], True))
                         continue
@@ -238,32 +239,8 @@ class ShardPlan(ShardOwner):
                     casts.append((r, run, False))
         return casts
 
-    # -- optimizer state: this rank's slices of a whole state, and back ---------------
+    # -- where each parameter's slice lies on every rank -------------------------------
     def bounds(self, i: int) -> tuple[tuple[int, int], ...]:
         """Parameter ``i``'s slice on each rank, in rank order: ``(start, stop)`` of its flattened elements."""
-        b = self.bucket_of[i]
-        k, n = self._chunks[b][0], self.buckets[b].grads.numel()
-        off, m = self.offsets[i], self.params[i].numel()
-        out = []
-        for r in range(self.size):
-            a = min(max(min(r * k, n) - off, 0), m)
-            out.append((a, max(a, min(max(min((r + 1) * k, n) - off, 0), m))))
-        return tuple(out)
-
-    def _per_element(self, i: int, key: Any, value: Any, shape: torch.Size) -> bool:
-        p = self.params[i]
-        return isinstance(value, torch.Tensor) and value.shape == shape and (p.dim() > 0 or key not in COUNTERS)
-
-    def slice_state(self, i: int, key: Any, value: Any) -> Any:
-        """Parameter ``i``'s state entry ``key: value`` on this rank: a tensor shaped like the
-        parameter is cut to this rank's slice (a copy, sharded like the parameter); counters (``step``)
-        are kept."""
-        if isinstance(value, ShardedTensor) or not self._per_element(i, key, value, self.params[i].shape):
-            return value
-        a, b = self.slices[i]
-        return ShardedTensor(value.reshape(-1)[a:b].clone(), self.shards[i]._spec)
-
-    def whole_state(self, i: int, key: Any, value: Any) -> Any:
-        """The inverse of :meth:`slice_state` (collective, in the same order on every rank): a sharded
-        entry becomes the whole parameter's, from every rank's slice."""
-        return self.full_tensor(value) if isinstance(value, ShardedTensor) else value
+        n = self.buckets[self.bucket_of[i]].grads.numel()
+        return param_bounds(self.offsets[i], self.params[i].numel(), n, self.size)

@@ -21,7 +21,10 @@ import torch
 
 from ._shard_tensor import ShardedTensor
 
-__all__ = ["ShardedOptimizerState", "full_state_dict", "holds_sharded_tensors"]
+__all__ = ["COUNTERS", "ShardedOptimizerState", "full_state_dict", "holds_sharded_tensors", "local_part",
+           "per_element"]
+
+COUNTERS = frozenset({"step", "eta", "mu", "mu_product"})  # per-parameter scalars in torch.optim states
 
 
 def full_state_dict(state: dict[str, Any]) -> dict[str, Any]:
@@ -48,7 +51,9 @@ def holds_sharded_tensors(optimizer: Any) -> bool:
 
 
 class ShardedOptimizerState:
-    """An optimizer of ShardedTensor parameters seen through its whole state (what checkpoints hold)."""
+    """An optimizer of ShardedTensor parameters seen through its whole state (what checkpoints hold):
+    made on a ``shard="parameters"`` model's shards or holding ZeRO-1/2's slices alike, so a checkpoint
+    is interchangeable with an unsharded optimizer's, at any number of ranks and any level."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
@@ -70,15 +75,24 @@ class ShardedOptimizerState:
         for j, entry in state_dict.get("state", {}).items():
             p = params[int(j)] if int(j) < len(params) else None
             state[j] = entry if not isinstance(p, ShardedTensor) else {
-                k: _local_part(p, k, v) for k, v in entry.items()}
+                k: local_part(p, k, v) for k, v in entry.items()}
         self.optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
 
 
-def _local_part(p: ShardedTensor, key: Any, value: Any) -> Any:
-    """This rank's elements of a whole state entry shaped like ``p`` (counters such as ``step`` are kept)."""
+def per_element(shape: torch.Size, key: Any, value: Any) -> bool:
+    """Whether optimizer state entry ``key: value`` of a parameter shaped ``shape`` has one element per
+    parameter element (sharded like the parameter), rather than being a counter or a setting kept whole.
+    The one rule for every sharded level: a plain tensor shaped like the parameter, except the
+    per-parameter scalars of torch.optim states (:data:`COUNTERS`) of a 0-dimensional parameter."""
+    return (isinstance(value, torch.Tensor) and not isinstance(value, ShardedTensor) and value.shape == shape
+            and (len(shape) > 0 or key not in COUNTERS))
+
+
+def local_part(p: ShardedTensor, key: Any, value: Any) -> Any:
+    """This rank's elements of a whole state entry of sharded parameter ``p`` (a copy, sharded like
+    ``p``), or ``value`` itself where it is not per-element (:func:`per_element`: ``step``, ...)."""
     spec = p._spec
-    if not isinstance(value, torch.Tensor) or isinstance(value, ShardedTensor) or value.shape != spec.shape \
-            or (key == "step" and value.dim() == 0):
+    if not per_element(spec.shape, key, value):
         return value
     local = value.detach().reshape(-1)[spec.start:spec.stop].to(p.dtype).clone()
     return ShardedTensor(local, spec)

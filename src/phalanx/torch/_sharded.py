@@ -21,11 +21,9 @@ memory formula and the checkpoint layout: ``docs/sharding.md``.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .._errors import InvalidArgumentError, UsageError
 from ._bucket_hot import Bucket
@@ -34,21 +32,24 @@ from ._engine_contract import Engine
 from ._powersgd import is_powersgd
 from ._shard_plan import ShardPlan, check_elementwise
 from ._shard_reducer import ScatterReducer, unmirror_before_accumulating
-from ._shard_tensor import ShardedTensor
+from ._shard_state import ShardedOptimizerState, holds_sharded_tensors, local_part
+from ._shard_tensor import ShardedTensor, shard_of
 
 __all__ = ["SHARDS", "Sharding", "check_shard", "sharding_of", "whole_state"]
 
 SHARDS = ("optimizer", "gradients")
-_OWNER = WeakIdKeyDictionary()  # shard parameter -> weakref to its Sharding
 
 
 def sharding_of(optimizer: torch.optim.Optimizer) -> Sharding | None:
-    """The :class:`Sharding` whose slices ``optimizer`` updates, or None for an unsharded one."""
+    """The :class:`Sharding` whose slices ``optimizer`` updates, or None for an unsharded one (or one
+    made on a ``shard="parameters"`` model, whose shards another owner holds): read from the slices'
+    own spec (its owner, the plan, names the Sharding that made it)."""
     for group in optimizer.param_groups:
-        for p in group["params"]:
-            ref = _OWNER.get(p)
-            if ref is not None:  # not only the first: it may be frozen, which the engine does not shard
-                return ref()
+        for p in group["params"]:  # not only the first: it may be frozen, which the engine does not shard
+            spec = shard_of(p)
+            if spec is not None and isinstance(spec.owner, ShardPlan) and spec.owner.front is not None:
+                front = spec.owner.front()
+                return front if isinstance(front, Sharding) else None
     return None
 
 
@@ -90,10 +91,8 @@ class Sharding:
         self.shard = shard
         self.call = call
         self.inf_agreed = False  # set by ShardedGradScaler's agreed inf check, taken by the next step
-        self.plan = engine.shard_plan = ShardPlan(engine, call, group)
+        self.plan = engine.shard_plan = ShardPlan(engine, call, group, front=self)
         engine.shadows = list(self.plan.shards)  # nonfinite="skip" drops their gradients too
-        for piece in self.plan.shards:
-            _OWNER[piece] = weakref.ref(self)
         self._hooks: list[Any] = []
         if shard == "gradients":
             engine.reducer = ScatterReducer(engine, mirror=mirror_grads)
@@ -121,7 +120,7 @@ class Sharding:
                 shard = self.plan.shards[i]
                 state = optimizer.state.pop(p, None)
                 if state:
-                    optimizer.state[shard] = {k: self.plan.slice_state(i, k, v) for k, v in state.items()}
+                    optimizer.state[shard] = {k: local_part(shard, k, v) for k, v in state.items()}
                 slices.append(shard)
             group["params"] = slices
 
@@ -187,61 +186,22 @@ class Sharding:
             if g is not None:
                 g.div_(scale.to(g.dtype))
 
-    # -- checkpoints: whole states in, whole states out -----------------------------
+    # -- checkpoints: whole states in, whole states out (_shard_state.py, as for shard="parameters") ----
     def state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``optimizer.state_dict()`` as the unsharded optimizer's would be (collective: every rank
         gathers every per-element entry from every rank; the same dict on every rank)."""
-        sd = optimizer.state_dict()
-        order = self._order(optimizer)
-        state = {}
-        for j, i in enumerate(order):
-            entry = sd["state"].get(j)
-            if i is None:
-                if entry is not None:
-                    state[j] = entry
-                continue
-            if entry is not None:
-                state[j] = {k: self.plan.whole_state(i, k, v) for k, v in entry.items()}
-        return {"state": state, "param_groups": sd["param_groups"]}
+        return ShardedOptimizerState(optimizer).state_dict()
 
     def load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """Load a whole (unsharded) optimizer state: each rank keeps its slices of it."""
-        order = self._order(optimizer)
-        state = {}
-        for j, entry in state_dict.get("state", {}).items():
-            i = order[int(j)] if int(j) < len(order) else None
-            state[j] = entry if i is None else {k: self.plan.slice_state(i, k, v) for k, v in entry.items()}
-        optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})
-
-    def _order(self, optimizer: torch.optim.Optimizer) -> list[int | None]:
-        """For each parameter of ``optimizer``'s groups, in state_dict order: its engine index (None
-        for a parameter the engine does not reduce)."""
-        index = {id(s): i for i, s in enumerate(self.plan.shards)}
-        return [index.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
-
-
-class _WholeState:
-    """A sharded optimizer seen through its whole state (what checkpoints save and load)."""
-
-    def __init__(self, sharding: Sharding, optimizer: torch.optim.Optimizer) -> None:
-        self.sharding, self.optimizer = sharding, optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.sharding.state_dict(self.optimizer)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.sharding.load_state_dict(self.optimizer, state_dict)
+        ShardedOptimizerState(optimizer).load_state_dict(state_dict)
 
 
 def whole_state(optimizer: Any) -> Any:
-    """``optimizer`` itself, or, when it updates a :class:`Sharding`'s slices, an object whose
-    ``state_dict()``/``load_state_dict()`` are the whole (unsharded) state (collective)."""
-    from ._shard_state import ShardedOptimizerState, holds_sharded_tensors
-
-    if holds_sharded_tensors(optimizer):  # made on a shard="parameters" model
-        return ShardedOptimizerState(optimizer)
-    sharding = None if optimizer is None else sharding_of(optimizer)
-    return optimizer if sharding is None else _WholeState(sharding, optimizer)
+    """``optimizer`` itself, or, when it updates sharded tensors (the slices of a :class:`Sharding` or a
+    ``shard="parameters"`` model's shards), an object whose ``state_dict()``/``load_state_dict()`` are
+    the whole (unsharded) state (collective)."""
+    return ShardedOptimizerState(optimizer) if holds_sharded_tensors(optimizer) else optimizer
 
 
 def _view_grads(engine: Engine, bucket: Bucket) -> None:
