@@ -36,7 +36,7 @@ import torch
 
 from .._layout import chunk_size, offsets, padded_size, param_bounds, rank_range
 from ._common import backend_call
-from ._shard_tensor import ShardedTensor, ShardSpec
+from ._shard_tensor import ShardedTensor, ShardSpec, land_grad
 
 __all__ = ["FlatShard"]
 
@@ -164,10 +164,5 @@ class FlatShard:
             if had[j] == 0:
                 continue
             a, b = self.ranges[j]
-            part = chunk[off + a - lo:off + b - lo] if b > a else chunk[:0]
-            grad = shard.grad
-            if isinstance(grad, ShardedTensor):  # a second backward before the step: added, as torch adds
-                grad.to_local().add_(part)
-            else:
-                shard.grad = ShardedTensor(part, shard._spec)
+            land_grad(shard, chunk[off + a - lo:off + b - lo] if b > a else chunk[:0])
 

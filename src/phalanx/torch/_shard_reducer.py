@@ -33,7 +33,7 @@ from ._common import backend_call
 from ._engine_contract import Engine
 from ._engine_hooks import Reducer
 from ._shard_plan import ShardPlan
-from ._shard_tensor import ShardedTensor
+from ._shard_tensor import ShardedTensor, land_grad
 
 __all__ = ["ScatterReducer", "unmirror_before_accumulating"]
 
@@ -147,15 +147,9 @@ def _point_grads(engine: Engine, bucket: Bucket) -> None:
             continue
         a, b = plan.slices[i]
         at = plan.positions[i]
-        part = chunk[at:at + b - a] if b > a else chunk[:0]
-        shard = plan.shards[i]
-        grad = shard.grad
-        if isinstance(grad, ShardedTensor):  # a second backward before the step: added, as torch adds p.grad
-            grad.to_local().add_(part)
-        else:
-            shard.grad = ShardedTensor(part, shard._spec)
+        landed = land_grad(plan.shards[i], chunk[at:at + b - a] if b > a else chunk[:0])
         if reducer.mirror:
-            engine.params[i].grad = shard.grad
+            engine.params[i].grad = landed
 
 
 def unmirror_before_accumulating(param: torch.Tensor) -> Any:

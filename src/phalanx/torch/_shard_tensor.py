@@ -35,7 +35,7 @@ from torch.utils._foreach_utils import _foreach_supported_types
 
 from .._errors import UsageError
 
-__all__ = ["ShardOwner", "ShardSpec", "ShardedTensor", "shard_of"]
+__all__ = ["ShardOwner", "ShardSpec", "ShardedTensor", "land_grad", "shard_of"]
 
 aten = torch.ops.aten
 
@@ -156,6 +156,20 @@ class ShardOwner:
         row[:local.numel()] = local
         rows = allgather(row, group=self.group)
         return torch.cat([rows[r, :n] for r, n in enumerate(lengths)]).view(spec.shape)
+
+
+def land_grad(shard: ShardedTensor, part: torch.Tensor) -> ShardedTensor:
+    """This rank's reduced elements ``part`` of ``shard``'s gradient, landed in ``shard.grad``: added to
+    the gradient it holds (a second backward before the step, as torch adds into ``p.grad``), else
+    held as its gradient (a view of ``part``, no copy). The one rule for every sharded level; returns
+    ``shard.grad``."""
+    grad = shard.grad
+    if isinstance(grad, ShardedTensor):
+        grad._local.add_(part)
+        return grad
+    landed = ShardedTensor(part, shard._spec)
+    shard.grad = landed
+    return landed
 
 
 def shard_of(t: Any) -> ShardSpec | None:
