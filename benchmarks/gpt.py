@@ -30,7 +30,7 @@ per (N, variant), fresh processes each. In every rank:
    end, minus the base (building the whole model on the CPU first counts).
 
 A figure is the maximum over ranks (memory) or the slowest rank's median
-(time). Every rank runs with glibc's ``MALLOC_MMAP_THRESHOLD_`` at 1 MiB, so
+(time). Every rank runs with glibc's ``MALLOC_MMAP_THRESHOLD_`` at 1 MiB (``--malloc default``: glibc's own settings), so
 memory freed leaves the resident set.
 """
 
@@ -175,7 +175,11 @@ def run_world(args: argparse.Namespace, n: int, variant: str) -> dict[str, Any] 
                  "--steps", str(args.steps), *(["--save"] if args.save else [])]
         backend = "mpi" if variant == "fsdp2-mpi" else "gloo"
         cmd = [sys.executable, "-m", "phalanx", "run", "-n", str(n), "--backend", backend, "--timeout", "600", *inner]
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+        env = dict(os.environ)
+        if args.malloc == "threshold":
+            env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+        else:  # glibc's default settings (its threshold rises with the blocks freed)
+            env.pop("MALLOC_MMAP_THRESHOLD_", None)
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800,
                               env=env)
         if proc.returncode != 0 or not os.path.exists(out):
@@ -214,6 +218,9 @@ def main() -> None:
     parser.add_argument("--save", action="store_true",
                         help="after the timed steps, the parameter-sharded variants write a sharded checkpoint and "
                              "the safetensors export: their peak (minus the base) is save_peak_mib")
+    parser.add_argument("--malloc", choices=("threshold", "default"), default="threshold",
+                        help="glibc's allocator in every rank: MALLOC_MMAP_THRESHOLD_ at 1 MiB (default), or "
+                             "glibc's own default settings")
     parser.add_argument("--json", help="write every result here")
     args = parser.parse_args()
     if args.worker:

@@ -3,8 +3,8 @@
 ::
 
     engine.shard_plan = ShardPlan(engine, call)   # an engine laid out with pad=size
-    engine.reducer = ScatterReducer(engine)       # installs its bucket hook too
-    loss.backward()                      # p.grad is None; plan.shards[i].grad: this rank's reduced slice
+    engine.reducer = ScatterReducer(engine, mirror)   # installs its bucket hook too
+    loss.backward()      # plan.shards[i].grad: this rank's reduced slice; p.grad None, or (mirror) the same
 
 The engine lays each bucket out padded to ``size * k`` elements with its
 presence slots and non-finite flag apart (``lay_out(pad=size)``), and keeps
@@ -15,9 +15,11 @@ gradient exist at once; ``launch`` posts the reduce-scatter of the bucket
 (its 16-bit copy when compressed) and an allreduce of its small tail
 (which ranks had each gradient, and the flag); completing one keeps the
 ``k`` reduced elements of this rank and releases the bucket. A bucket hook
-then sets each parameter's ``.grad`` to None and its shard's ``.grad`` to a
-view of the kept chunk (None where no rank had a gradient, so the optimizer
-skips it exactly as it would the whole parameter).
+then lands each shard's part of the kept chunk in its ``.grad``
+(``land_grad``; None where no rank had a gradient, so the optimizer skips it
+exactly as it would the whole parameter) and sets each parameter's ``.grad``
+to None, or with ``mirror`` (``DistributedOptimizer``) to that same sharded
+gradient, which a tensor hook drops before autograd accumulates the next.
 """
 
 from __future__ import annotations

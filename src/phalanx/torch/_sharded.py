@@ -13,8 +13,9 @@
 With ``"optimizer"`` the gradients are allreduced as without sharding
 (``p.grad`` holds the whole reduced gradient) and each rank updates and
 keeps optimizer state for its slice only. With ``"gradients"`` each bucket
-is reduce-scattered (``_shard_reducer.py``): ``p.grad`` is None after
-backward and only the shards carry gradients. Either way the updated
+is reduce-scattered (``_shard_reducer.py``): only the shards carry gradients
+after backward, and ``p.grad`` is None or (``mirror_grads``) the shard's own
+sharded gradient. Either way the updated
 slices are all-gathered after each step. What each rank holds, the
 memory formula and the checkpoint layout: ``docs/sharding.md``.
 """
