@@ -397,21 +397,24 @@ class TorchBackend(TorchBuffers, TorchShardOps):
         # (No local name may hold them here: the thread's release may come first, and the last
         # reference would then end in this thread, joining the group's threads past a lost peer.)
         held: list[Any] = [self._dist, self._group, self._all_gather, self._reduce_scatter]
-        agreeing, self._agreeing = self._agreeing, None
+        # the agreements' group view too (held[4]): its last reference must end in a teardown thread
+        held.append(self._agreeing)
+        self._agreeing = None
         self._bind(self._torch.distributed, None)
         torch_dist = self._torch.distributed
         lost = self._interrupted is not None and self._interrupted() is not None  # an epoch that ended
         if (self._owns_group or held[1] is not None) and torch_dist.is_initialized():
             # the world's own group: None destroys torch's default group and every group with it (the
-            # hierarchy's); once "phalanx" is torch's default instead, only phalanx's own groups end
+            # hierarchy's, the agreements'); once "phalanx" is torch's default instead, only phalanx's
+            # own groups end
             if self._owns_group and torch_dist.group.WORLD is held[1]:
                 end_group(torch_dist, None, held, lost_peer=lost)
             else:
-                if agreeing is not None:
-                    end_group(torch_dist, agreeing.group, [agreeing], lost_peer=lost)
+                if held[4] is not None:
+                    end_group(torch_dist, held[4].group, [held.pop()], lost_peer=lost)
                 end_group(torch_dist, held[1], held, lost_peer=lost)
-        elif agreeing is not None and torch_dist.is_initialized():  # beside a user's own group
-            end_group(torch_dist, agreeing.group, [agreeing, *held], lost_peer=lost)
+        elif held[4] is not None and torch_dist.is_initialized():  # beside a user's own group
+            end_group(torch_dist, held[4].group, held, lost_peer=lost)
         else:
             held.clear()
         if self._rendezvous is not None:  # its guard: nothing of it listens after this
