@@ -47,14 +47,18 @@ def test_single_host_gloo_listens_on_loopback_only(worlds, backend: str, n: int,
     worlds.check(bodies.listeners, backend, n, behaviour, op_timeout=OP_TIMEOUT)
 
 
-@pytest.mark.parametrize("backend,n", world_params(MULTI_WORLDS))
-def test_unreachable_store_host_still_times_out_promptly_and_shutdown_is_prompt(backend: str, n: int) -> None:
+def _failing_world(body: object, backend: str, n: int) -> tuple[str, dict[str, float], float]:
+    """Run ``body``, which must fail, on ``n`` ranks: (the failure report, its TIMES, seconds to the end)."""
     start = time.monotonic()
     with pytest.raises(WorldFailed) as failed:
-        run_world(bodies.store_host_stops, n, backend, op_timeout=OP_TIMEOUT, timeout=60)
-    elapsed = time.monotonic() - start
+        run_world(body, n, backend, op_timeout=OP_TIMEOUT, timeout=60)
     report = str(failed.value)
-    times = _times(report)
+    return report, _times(report), time.monotonic() - start
+
+
+@pytest.mark.parametrize("backend,n", world_params(MULTI_WORLDS))
+def test_unreachable_store_host_still_times_out_promptly_and_shutdown_is_prompt(backend: str, n: int) -> None:
+    report, times, elapsed = _failing_world(bodies.store_host_stops, backend, n)
     print(f"\n{backend}-{n}: rank raised after {times.get('raised')} s, shutdown took "
           f"{times.get('shutdown')} s, world ended after {elapsed:.1f} s")
     assert times, report
@@ -171,12 +175,7 @@ def test_a_rank_stepping_once_more_after_the_others_finished_times_out_naming_th
     """An uneven last batch: the rank with one more DistributedOptimizer step raises CollectiveTimeoutError
     within the timeout and its grace, naming the ranks that are shutting down (its gradient bucket skips
     the agreement, so on gloo it once paired with their shutdown agreement and gloo aborted a rank)."""
-    start = time.monotonic()
-    with pytest.raises(WorldFailed) as failed:
-        run_world(bodies.one_more_step, n, backend, op_timeout=OP_TIMEOUT, timeout=60)
-    elapsed = time.monotonic() - start
-    report = str(failed.value)
-    times = _times(report)
+    report, times, elapsed = _failing_world(bodies.one_more_step, backend, n)
     print(f"\n{backend}-{n}: the extra step raised after {times.get('raised')} s, the world ended after {elapsed:.1f} s")
     assert "CollectiveTimeoutError" in report and "phalanx.torch.DistributedOptimizer" in report, report
     assert all(f"Rank {q} is waiting in shutdown" in report for q in range(1, n)), report

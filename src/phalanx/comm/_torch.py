@@ -27,7 +27,8 @@ from ._base import WaitTimeout
 from ._epoch_waits import interruptible_test, wait_interruptible
 from ._hier import build_hierarchy
 from ._shard_ops import TorchShardOps
-from ._store_queries import diagnose, node_ranks_from_store
+from ._store_queries import node_ranks_from_store
+from ._torch_agree import TorchAgreement
 from ._torch_buffers import TorchBuffers
 from ._torchdist import GroupDist, TorchRequest, WaitedWork, end_group, group_dist
 from ._torchsetup import (
@@ -42,13 +43,12 @@ from ._wait import poll
 
 __all__ = ["TorchBackend"]
 
-class TorchBackend(TorchBuffers, TorchShardOps):
+class TorchBackend(TorchAgreement, TorchBuffers, TorchShardOps):
     """Backend over torch.distributed (gloo or NCCL); see the module docstring."""
 
     _made = 0  # backends made in this process: separates the store keys of successive worlds
     _rendezvous: Rendezvous | None = None  # phalanx's own meeting (when it made the process group)
     _group: Any = None  # a subgroup backend's process group (None: the world's)
-    _agreeing: Any = None  # gloo: the group view the agreements run on, apart from the data (_apart)
 
     def __init__(self, name: str | None, *, timeout: float, devices: list[Any] | None = None,
                  epoch: Any = None, interrupted: Callable[[], str | None] | None = None) -> None:
@@ -147,16 +147,6 @@ class TorchBackend(TorchBuffers, TorchShardOps):
         sub._agreeing = agreeing
         return sub
 
-    def _apart(self, ranks: tuple[int, ...], timeout: float, members_only: bool) -> GroupDist | None:
-        """gloo: a second process group of ``ranks`` for the agreements alone (None on nccl, and on a
-        non-member). gloo pairs a group's collectives by their order alone and aborts the process on
-        a size mismatch, so an agreement on the data's group could pair with a gradient bucket, which
-        skips the agreement (a rank one step ahead while its peer shuts down); apart, the bucket waits
-        out the timeout and raises, as on MPI, where the agreement is a persistent collective."""
-        if self._nccl or len(ranks) < 2:
-            return None
-        return group_dist(self._dist, ranks, self.rank, timeout, None, "gloo", members_only)
-
     def __repr__(self) -> str:
         return f"<phalanx {self.name} backend rank {self.rank}/{self.size}>"
 
@@ -241,46 +231,6 @@ class TorchBackend(TorchBuffers, TorchShardOps):
             if failure is None:
                 raise
             return TorchRequest(wait, None, finish, failure)
-
-    # -- agreement ------------------------------------------------------------
-    @translating
-    def agree(self, signature: int, timeout: float) -> bool:
-        chk = self._chk
-        chk[0] = signature
-        chk[1] = -signature
-        if self._nccl:
-            self._chk_dev.copy_(self._chk_t)
-        dist = self._agreeing or self._dist
-        self._wait(dist.all_reduce(self._chk_dev, self._dist.ReduceOp.MAX, async_op=True), timeout)
-        if self._nccl:
-            self._chk_t.copy_(self._chk_dev)
-        return bool(chk[0] == signature and chk[1] == -signature)
-
-    def iagree(self, signature: int) -> TorchRequest:
-        mine = self._torch.tensor([signature, -signature], dtype=self._torch.int64)
-        out = mine.to(self.device, copy=True)
-        dist = self._agreeing or self._dist
-        return self._request(lambda: dist.all_reduce(out, self._dist.ReduceOp.MAX, async_op=True),
-                             lambda: bool(self._torch.equal(out.cpu(), mine)))
-
-    @translating
-    def allgather_bytes(self, payload: bytes, timeout: float) -> list[bytes]:
-        sizes = self.allgather(np.array(len(payload), np.int64), timeout).tolist()
-        padded = np.zeros(max(sizes), np.uint8)
-        padded[:len(payload)] = np.frombuffer(payload, np.uint8)
-        rows = self.allgather(padded, timeout)
-        return [rows[r, :n].tobytes() for r, n in enumerate(sizes)]
-
-    @translating
-    def broadcast_bytes(self, payload: bytes | None, root: int, timeout: float) -> bytes:
-        mine = payload if self.rank == root and payload is not None else b""
-        size = self.broadcast(np.array(len(mine), np.int64), root, True, timeout)
-        buf = np.frombuffer(mine, np.uint8).copy() if self.rank == root else np.empty(int(size), np.uint8)
-        return self.broadcast(buf, root, True, timeout).tobytes()
-
-    def diagnose(self, call: str, call_index: int, grace: float) -> tuple[list[int], dict[int, str]]:
-        """Leave this rank's stuck call in the store; read the peers' reports for ``grace`` s."""
-        return diagnose(self._store, self._prefix, self.rank, self.size, call, call_index, grace)
 
     # -- data -----------------------------------------------------------------
     @translating
