@@ -130,6 +130,11 @@ def train(shard: str, accumulate: str, units: Any = "class", steps: int = 3, sca
         else:
             opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
+        # every shard group at rest after the step: a unit freed, a bucket whole again
+        groups, rest = (dp._params.groups(), "free") if shard == "parameters" else (
+            dp.engine.shard_plan.groups if n > 1 else [], "whole")
+        states = {g.name: g.state.value for g in groups}
+        assert set(states.values()) <= {rest}, f"step {step}: shard groups not at rest ({rest}): {states}"
         if step == 0:  # a fine-tuning schedule: unfreeze the position embedding
             dp.module.wpe.weight.requires_grad_(True)
             if shard == "parameters":  # followed

@@ -110,6 +110,9 @@ def run_case(shard: str, case: dict[str, Any]) -> None:
         ref_opt.step()
         for s in scheds:
             s.step()
+        if n > 1:  # every bucket's group back at rest: reduced, updated, gathered whole again
+            states = {g.name: g.state.value for g in wrapper.engine.shard_plan.groups}
+            assert set(states.values()) == {"whole"}, f"step {step}: shard groups not whole: {states}"
     tol = case.get("tol", COMPRESSED if case.get("compression") else EXACT)  # Adam magnifies 16-bit noise
     assert_close(model, ref, f"shard={shard} {case} on {n} ranks", tol)
 

@@ -330,6 +330,10 @@ class ParamShards(ShardOwner):
         for flat in unit.flats:
             flat.free()
 
+    def groups(self) -> list[FlatShard]:
+        """Every unit's shard groups (one per dtype and device), in unit order."""
+        return [f for u in self.all_units for f in u.flats]
+
     def shards(self) -> list[ShardedTensor]:
         """Every sharded parameter, in unit order."""
         return [s for u in self.all_units for f in u.flats for s in f.shards]

@@ -6,6 +6,7 @@
     plan.shards[i]                           # parameter i's slice on this rank: a ShardedTensor Parameter (its
                                              # shape, this rank's elements), sharing the parameter's memory
     plan.positions[i]                        # where that slice starts in this rank's chunk of its bucket
+    plan.groups[b]                           # bucket b's ShardGroup (kept whole; its GroupState)
     plan.gather()                            # after the update: every rank's slices into every parameter
 
 Each bucket's gradients (``n`` elements, in the engine's layout) split into
@@ -31,9 +32,10 @@ import torch
 
 from .._errors import InvalidArgumentError
 from .._layout import chunk_size, param_bounds, rank_bounds, rank_range
-from ._common import backend_call
-from ._engine_contract import Engine
+from ._engine_contract import Engine, Request
+from ._shard_group import GroupState, ShardGroup
 from ._shard_tensor import ShardedTensor, ShardOwner, ShardSpec
+from ._transfers import Comm, finish, post_broadcast, post_gather
 
 __all__ = ["ELEMENTWISE", "ShardPlan", "check_elementwise"]
 
@@ -92,6 +94,8 @@ class ShardPlan(ShardOwner):
         self.positions = [self.offsets[i] + self.slices[i][0] - self._chunks[self.bucket_of[i]][1]
                           for i in range(len(engine.params))]
         self.shards = [self._shard(p, i) for i, p in enumerate(engine.params)]
+        self.groups = [ShardGroup(f"{call}: bucket {b}", keeps_whole=True) for b in range(len(engine.buckets))]
+        self._group_of = {id(bucket): group for bucket, group in zip(engine.buckets, self.groups, strict=True)}
         self._casts: list[tuple[int, list[tuple[int, int, int]], bool]] | None = None  # see _plan_casts
         self._free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}  # _broadcast_all's pieces
 
@@ -107,6 +111,10 @@ class ShardPlan(ShardOwner):
         shard._is_param = True  # an nn.Parameter, as torch's own subclasses of it are
         return shard
 
+    def group_of(self, bucket: Any) -> ShardGroup:
+        """The shard group of one of the engine's buckets."""
+        return self._group_of[id(bucket)]
+
     # -- after the update: every rank's slices everywhere -------------------------
     @torch.no_grad()
     def gather(self) -> None:
@@ -115,14 +123,29 @@ class ShardPlan(ShardOwner):
         is broadcast straight into the parameter's memory (no copy, no transient) and the small ones in
         packed pieces; elsewhere each bucket's chunks are all-gathered in pieces. Either way a piece
         holds at most ``PIECE_BYTES`` per rank, ``WINDOW`` pieces in flight: the transient memory stays
-        a few MiB whatever the bucket size."""
-        if self.size == 1:
-            return
-        if self.world.backend.gathers_by_broadcast:
-            self._broadcast_all()
-            return
-        world, size = self.world, self.size
-        flight: deque[tuple[int, int, int, Any, tuple[torch.Tensor, torch.Tensor]]] = deque()
+        a few MiB whatever the bucket size. Every bucket's group goes through ``GATHERING`` to ``WHOLE``."""
+        self.world.ready(self.call)  # a broken world raises its own error before any group moves
+        for group in self.groups:
+            group.advance(GroupState.GATHERING)
+        try:
+            if self.size == 1:
+                pass
+            elif self.world.backend.gathers_by_broadcast:
+                self._broadcast_all()
+            else:
+                self._gather_pieces()
+        except BaseException:
+            for group in self.groups:  # abandoned with its world: nothing of it is in flight
+                group.settle()
+            raise
+        for group in self.groups:
+            group.advance(GroupState.WHOLE)
+
+    def _gather_pieces(self) -> None:
+        """Each bucket's chunks all-gathered in pieces of at most ``PIECE_BYTES`` per rank."""
+        size = self.size
+        comm = Comm(self.world, self.call)
+        flight: deque[tuple[int, int, int, Request, tuple[torch.Tensor, torch.Tensor]]] = deque()
         free: dict[tuple[torch.dtype, torch.device], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for b, bucket in enumerate(self.buckets):
             k, lo, hi = self._chunks[b]
@@ -133,7 +156,7 @@ class ShardPlan(ShardOwner):
                 slot = pool.pop() if pool else (bucket.flat.new_empty(step), bucket.flat.new_empty(step * size))
                 send, out = slot[0][:length], slot[1][:length * size]  # past hi: padding nobody reads
                 self._copy(b, lo + j, min(lo + j + length, hi), send, into_params=False)
-                request = backend_call(world, self.call, world.backend.iallgather_into, send, out)
+                request = post_gather(comm, send, out)
                 flight.append((b, j, length, request, slot))
                 if len(flight) >= WINDOW:
                     done = self._unpack(*flight.popleft())
@@ -141,12 +164,11 @@ class ShardPlan(ShardOwner):
         while flight:
             self._unpack(*flight.popleft())
 
-    def _unpack(self, b: int, j: int, length: int, request: Any,
+    def _unpack(self, b: int, j: int, length: int, request: Request,
                 slot: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Wait for piece ``j`` of bucket ``b`` and copy every rank's part into the parameters; return
         its buffers for the next piece."""
-        world = self.world
-        backend_call(world, self.call, request.wait, world.timeout)
+        finish(Comm(self.world, self.call), request)
         out = slot[1][:length * self.size]
         n = self.buckets[b].grads.numel()
         for r in range(self.size):
@@ -172,8 +194,9 @@ class ShardPlan(ShardOwner):
         ``WINDOW`` per dtype and device, are kept from step to step)."""
         if self._casts is None:
             self._casts = self._plan_casts()
-        world, rank = self.world, self.world.rank
-        flight: deque[tuple[Any, list[torch.Tensor], torch.Tensor | None, list[torch.Tensor]]] = deque()
+        rank = self.world.rank
+        comm = Comm(self.world, self.call)
+        flight: deque[tuple[Request, list[torch.Tensor], torch.Tensor | None, list[torch.Tensor]]] = deque()
         packed = 0  # packed pieces in flight
         for root, parts, direct in self._casts:
             views = [self.params[i].detach().view(-1)[a:b] for i, a, b in parts]
@@ -189,19 +212,18 @@ class ShardPlan(ShardOwner):
                     torch.cat(views, out=buf)
                 into = [] if rank == root else views
                 packed += 1
-            request = backend_call(world, self.call, world.backend.ibroadcast, buf, root, True)
+            request = post_broadcast(comm, buf, root)
             flight.append((request, into, whole, pool))
             while packed >= WINDOW:
                 packed -= self._land(*flight.popleft())
         while flight:
             self._land(*flight.popleft())
 
-    def _land(self, request: Any, into: list[torch.Tensor], whole: torch.Tensor | None,
+    def _land(self, request: Request, into: list[torch.Tensor], whole: torch.Tensor | None,
               pool: list[torch.Tensor]) -> int:
         """Wait for one broadcast, unpack a packed piece into its parameters and return its buffer to
         ``pool``; 1 for a packed piece, 0 for one broadcast in place."""
-        world = self.world
-        backend_call(world, self.call, request.wait, world.timeout)
+        finish(Comm(self.world, self.call), request)
         if whole is None:
             return 0
         at = 0

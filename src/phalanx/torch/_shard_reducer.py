@@ -31,34 +31,16 @@ import torch
 
 from .. import _trace
 from ._bucket_hot import Bucket
-from ._common import backend_call
-from ._engine_contract import Engine
+from ._engine_contract import Engine, Request
 from ._engine_hooks import Reducer
+from ._shard_group import GroupState
 from ._shard_plan import ShardPlan
-from ._shard_tensor import ShardedTensor, land_grad
+from ._shard_tensor import ShardedTensor
+from ._transfers import Comm, finish, land, post_reduce_scatter
 
 __all__ = ["ScatterReducer", "unmirror_before_accumulating"]
 
 AT_ONCE_BYTES = 16 << 20  # a bucket this large is completed as soon as it is posted (see ScatterReducer)
-
-
-class _Pair:
-    """The reduce-scatter of a bucket and the allreduce of its tail, as one request."""
-
-    __slots__ = ("scatter", "tail", "result", "done")
-
-    def __init__(self, scatter: Any, tail: Any) -> None:
-        self.scatter, self.tail, self.result, self.done = scatter, tail, None, False
-
-    def test(self) -> bool:
-        return self.done or (self.scatter.test() and self.tail.test())
-
-    def wait(self, timeout: float) -> Any:
-        if not self.done:
-            self.result = self.scatter.wait(timeout)
-            self.tail.wait(timeout)
-            self.done = True
-        return self.result
 
 
 class ScatterReducer(Reducer):
@@ -83,16 +65,17 @@ class ScatterReducer(Reducer):
         if not _borrow(engine, bucket):
             bucket.revive()
 
-    def launch(self, engine: Engine, index: int) -> Any:
+    def launch(self, engine: Engine, index: int) -> Request:
         bucket = engine.buckets[index]
-        world = engine.world
+        group = _plan(engine).groups[index]
+        if group.state is GroupState.REDUCING:  # the engine abandoned the cycle that posted it (an error)
+            group.settle()
+        group.advance(GroupState.REDUCING)
         send = bucket.flat if bucket.wire is None else bucket.wire.copy_(bucket.flat)
-        scatter = backend_call(world, engine.call, world.backend.ireduce_scatter, send, "sum")
-        tail = backend_call(world, engine.call, world.backend.iallreduce, bucket.tail, "sum", True)
+        request = post_reduce_scatter(Comm(engine.world, engine.call), send, bucket.tail)
         if _trace.ON:
             _trace.bucket_launch(bucket, engine.call, index, send, len(bucket.params))
         self._pending.append(index)
-        request = _Pair(scatter, tail)
         if bucket.flat.numel() * bucket.flat.element_size() >= AT_ONCE_BYTES:
             bucket.request = request
             self._pending.remove(index)
@@ -107,8 +90,7 @@ class ScatterReducer(Reducer):
 
     def _drain(self, engine: Engine, index: int) -> None:
         bucket = engine.buckets[index]
-        world = engine.world
-        chunk = backend_call(world, engine.call, bucket.request.wait, world.timeout)
+        chunk = finish(Comm(engine.world, engine.call), bucket.request)
         self.chunks[index] = chunk if chunk.dtype == bucket.flat.dtype else chunk.to(bucket.flat.dtype)
         bucket.release()
 
@@ -138,20 +120,22 @@ def _point_grads(engine: Engine, bucket: Bucket) -> None:
     over the model's parameters takes the global norm and scales the slices the optimizer updates)."""
     reducer = engine.reducer
     assert isinstance(reducer, ScatterReducer), reducer  # its own bucket hook, installed with it
-    plan: ShardPlan = engine.shard_plan
+    plan = _plan(engine)
     index = reducer.index[id(bucket)]
     chunk, reducer.chunks[index] = reducer.chunks[index], None  # the slices' .grad hold it from here
     assert chunk is not None, index  # _drain kept it when the bucket completed
-    seen = bucket.presence.tolist()
-    for j, i in enumerate(bucket.params):
-        engine.params[i].grad = plan.shards[i].grad if reducer.mirror else None
-        if seen[j] <= 0:  # no rank had a gradient: the shard keeps what it has (None: skipped)
-            continue
-        a, b = plan.slices[i]
-        at = plan.positions[i]
-        landed = land_grad(plan.shards[i], chunk[at:at + b - a] if b > a else chunk[:0])
-        if reducer.mirror:
-            engine.params[i].grad = landed
+    shards = [plan.shards[i] for i in bucket.params]
+    parts = [(plan.positions[i], plan.positions[i] + plan.slices[i][1] - plan.slices[i][0]) for i in bucket.params]
+    landed = land(shards, parts, chunk, bucket.presence.tolist())
+    for i, grad in zip(bucket.params, landed, strict=True):
+        engine.params[i].grad = (grad if grad is not None else plan.shards[i].grad) if reducer.mirror else None
+    plan.groups[index].advance(GroupState.REDUCED)
+
+
+def _plan(engine: Engine) -> ShardPlan:
+    plan = engine.shard_plan
+    assert isinstance(plan, ShardPlan), plan  # Sharding sets it before installing this reducer
+    return plan
 
 
 def unmirror_before_accumulating(param: torch.Tensor) -> Any:

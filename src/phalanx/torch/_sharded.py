@@ -31,6 +31,7 @@ from ._bucket_hot import Bucket
 from ._common import verify_same_structure
 from ._engine_contract import Engine
 from ._powersgd import is_powersgd
+from ._shard_group import GroupState
 from ._shard_plan import ShardPlan, check_elementwise
 from ._shard_reducer import ScatterReducer, unmirror_before_accumulating
 from ._shard_state import ShardedOptimizerState, holds_sharded_tensors, local_part
@@ -206,8 +207,13 @@ def whole_state(optimizer: Any) -> Any:
 
 
 def _view_grads(engine: Engine, bucket: Bucket) -> None:
-    """Stage 1's bucket hook: the shards of a reduced bucket's parameters get views of its gradients."""
-    _point(engine.shard_plan, bucket.params)
+    """Stage 1's bucket hook: the shards of a reduced bucket's parameters get views of its gradients
+    (its group: reduced, by the engine's own allreduce, which posted and completed it)."""
+    plan: ShardPlan = engine.shard_plan
+    _point(plan, bucket.params)
+    group = plan.group_of(bucket)
+    group.advance(GroupState.REDUCING)
+    group.advance(GroupState.REDUCED)
 
 
 @torch.no_grad()
