@@ -6,7 +6,8 @@ forwards). ``KILLS`` (JSON ``[[step, rank, signal], ...]``) makes the process th
 ``rank`` when it computes the loss of step ``step`` (with ``FULL``: of the first step from ``step`` on
 at which the world has ``FULL`` ranks again; steps on fewer ranks then take 0.1 s more) send itself ``signal`` (9: SIGKILL, 19: SIGSTOP), once per entry (a mark file in ``MARKS`` says it happened, and when). Every process appends
 ``step time rank size epoch`` per loss to ``MARKS/steps-<pid>`` and writes ``MARKS/final-<pid>.pt``
-(its final parameters) and ``MARKS/done-<pid>.json`` when ``fit`` returns.
+(its final parameters) and ``MARKS/done-<pid>.json`` when ``fit`` returns (with ``followed``: at each
+re-formation, what followed the world through the recovery contract, ``phalanx._reconfigure``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import time
 import torch
 
 import phalanx
+from phalanx._reconfigure import registered
+from phalanx._world import current_or_none
+from phalanx.torch import DistributedOptimizer, DistributedSampler
 from phalanx.train import fit
 
 phalanx.init()
@@ -37,9 +41,21 @@ FULL = int(setting("FULL", "0"))
 MARKS = setting("MARKS")
 assert MARKS, "MARKS (or PHALANX_TEST_MARKS) names the folder this program writes its marks to"
 steps_log = open(os.path.join(MARKS, f"steps-{os.getpid()}"), "a")
+sampler = DistributedSampler(X)  # made without rank=/size=: it follows each re-formed world
+followed: list[dict[str, object]] = []
+
+
+def note(epoch: phalanx._epochs.Epoch) -> None:
+    """After each re-formation, registered after fit's optimizer: what followed the world, in registration
+    order, and whether the sampler and each registered DistributedOptimizer are already the new world's."""
+    followed.append({"epoch": epoch.number, "order": [type(o).__name__ for o in registered()],
+                     "sampler": [sampler.rank, sampler.size] == [epoch.rank, epoch.size],
+                     "optimizers": [o.engine.world is current_or_none() for o in registered()
+                                    if isinstance(o, DistributedOptimizer)]})
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    phalanx.on_reform(note)  # (registered once) inside fit: after the DistributedOptimizer fit made
     done = next(iter(opt.state.values()), {}).get("step")  # any parameter's (or shard's, when sharded)
     step = int(done) if done is not None else 0
     steps_log.write(f"{step} {time.time()} {phalanx.rank()} {phalanx.size()} {phalanx.epoch()}\n")
@@ -65,4 +81,5 @@ torch.save(torch.cat([p.detach().flatten() for p in model.parameters()]), os.pat
 with open(os.path.join(MARKS, f"done-{os.getpid()}.json"), "w") as f:
     json.dump({"rank": phalanx.rank(), "size": phalanx.size(), "epoch": phalanx.epoch(),
                "joined": os.environ.get("PHALANX_JOINING") == "1", "slot": int(os.environ.get("RANK", "0")),
-               "restart_count": os.environ.get("PHALANX_RESTART_COUNT"), "recoveries": history.recoveries}, f)
+               "restart_count": os.environ.get("PHALANX_RESTART_COUNT"), "recoveries": history.recoveries,
+               "followed": followed}, f)

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("world/collectives", ("phalanx._current", "phalanx._trace",
                            "phalanx._world", "phalanx._collectives", "phalanx._objects", "phalanx._shards", "phalanx._nonblocking", "phalanx._agreement", "phalanx._failure",
                            "phalanx._output", "phalanx._groups", "phalanx._shutdown", "phalanx._p2p", "phalanx._epochs", "phalanx._epoch_keys", "phalanx._epochs_ulfm",
+                           "phalanx._reconfigure",  # what follows a re-formed world: the registry reform() drives
                            "phalanx._reform")),
     # `phalanx` itself re-exports these and the layers below.
     ("sync/data/tree/gradients", ("phalanx", "phalanx._sync", "phalanx._data", "phalanx._tree",

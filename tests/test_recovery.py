@@ -16,7 +16,9 @@ Each job runs once (a module fixture) and every behaviour is a check of what it 
   ``--min-ranks``; the job exits non-zero and leaves no process behind.
 * **own loop** — ``phalanx.reform()`` in a loop of the user's (``tests/program_reform.py``): the error
   names the fix, the epoch is renumbered, a handle and a group of the old epoch are refused, the
-  ``on_reform`` callback runs.
+  ``on_reform`` callback runs, then an object registered after it (one collected before never does).
+* **one contract** — in *replaced*, each re-formation rebinds the sampler, fit's optimizer and a later
+  callback in registration order; in *sharded*, the optimizer does not register (fit releases and wraps it).
 * **own loop grows** — the same loop under ``--max-restarts 1``: the launcher starts a replacement,
   ``phalanx.replacement_waiting()`` turns True on every rank at the same iteration, ``reform()``
   admits it (epoch 2 of 3), it receives the count from rank 0 and all three finish.
@@ -181,6 +183,11 @@ REPLACED = {
     "each_kill_hits_a_whole_world_of_4": lambda job: all(
         size == 4 for k in job.kills() for step, _, _, size, _ in job.steps(k["pid"])[-1:]),
     # a replacement that starts quickly is admitted with the loss's own re-formation, else at the next step
+    # one contract: reform() rebinds the sampler, then fit's optimizer, then a later callback, in that order
+    "reform_rebinds_the_sampler_and_the_optimizer_through_one_contract": lambda job: all(
+        all(f["order"] == ["DistributedSampler", "DistributedOptimizer", "_Callback"] and f["sampler"]
+            and f["optimizers"] == [True] for f in d["followed"])
+        and (d["followed"] or d["pid"] not in _initial(job)) for d in job.done()),
     "the_launcher_names_each_loss": lambda job: job.output.count("was killed by SIGKILL; the job continues in place") == 3
     and job.output.count("admitted 1 replacement(s)") == 3 and job.output.count("started a replacement") == 3,
 }
@@ -252,6 +259,9 @@ def test_sharded_gradients_reload_the_last_checkpoint_in_place_equal_to_the_unin
     assert len(initial) == 3 and initial <= _finished(job), (initial, job.done())
     survivor = [d for d in job.done() if d["pid"] in initial][0]
     assert [r["step"] for r in survivor["recoveries"]][:1] == [30], survivor  # killed at 35: back to step 30
+    # a sharded optimizer does not follow in place (fit releases and wraps it again): only the sampler does
+    assert survivor["followed"] and all(f["order"] == ["DistributedSampler", "_Callback"] and f["sampler"]
+                                        and f["optimizers"] == [] for f in survivor["followed"]), survivor
     _equal_to_reference(job, _reference(jobs, 100))
 
 
@@ -277,6 +287,9 @@ LOOP_CHECKS = {
     "a_handle_of_the_old_epoch_is_refused": lambda r: r["stale"].startswith(("RankFailedError", "WorldBrokenError")),
     "a_group_of_the_old_epoch_is_refused": lambda r: r["old_group"].startswith("UsageError"),
     "on_reform_callbacks_run_in_the_new_world": lambda r: r["callbacks"] == [[1, r["start"][1], 2]],
+    # the registered object after the callback registered before it; the collected one never
+    "registered_objects_follow_in_registration_order_held_weakly": lambda r: (
+        r["followed"] == [[1, r["start"][1], 2, 1]]),
     "the_loop_finishes_in_epoch_1": lambda r: r["end"] == [1, r["start"][1], 2, 20],
 }
 
@@ -294,6 +307,8 @@ GROW_CHECKS = {
         len(r["admitted"]) == 1 and r["admitted"][0][:3] == [2, 3, [3]] and r["admitted"][0][3] < 20
         for r in rs if not r["joined_late"]),
     "the_replacement_starts_as_rank_2_of_3_in_epoch_2": lambda rs: [r["start"] for r in rs if r["joined_late"]] == [[2, 2, 3]],
+    "registered_objects_follow_each_reform_after_the_earlier_callback": lambda rs: all(
+        r["followed"] == [[*c, i + 1] for i, c in enumerate(r["callbacks"])] for r in rs),
     "every_rank_finishes_the_20_iterations_in_epoch_2": lambda rs: sorted(r["end"] for r in rs) == [
         [2, 0, 3, 20], [2, 1, 3, 20], [2, 2, 3, 20]],
 }

@@ -24,7 +24,7 @@ from ._collectives import (
     reduce_scatter,
 )
 from ._data import DistributedDataContainer
-from ._epochs import epoch, on_reform
+from ._epochs import epoch
 from ._errors import (
     BackendUnavailableError,
     CheckpointError,
@@ -56,6 +56,7 @@ from ._groups import Group, destroy_group, new_group, world_group
 from ._nonblocking import Handle, iallreduce, ibroadcast
 from ._objects import allgather_object, broadcast_object
 from ._output import RankFilter, print, setup_logging
+from ._reconfigure import on_reform
 from ._reform import reform, replacement_waiting
 from ._settings import settings
 from ._shutdown import shutdown

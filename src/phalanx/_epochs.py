@@ -60,8 +60,8 @@ if TYPE_CHECKING:
     from .comm._guard import Guard
 
 __all__ = ["ELASTIC_ENV", "JOINING_ENV", "MEMBER_ENV", "Epoch", "Membership", "StoreMembership", "available", "declare",
-           "epoch", "first_epoch", "grow_requested", "joined_late", "membership", "on_reform", "recoverable", "recovers",
-           "rebinds", "required", "ulfm", "why_not_continue"]
+           "epoch", "first_epoch", "grow_requested", "joined_late", "membership", "recoverable", "recovers",
+           "required", "ulfm", "why_not_continue"]
 
 ELASTIC_ENV = "PHALANX_ELASTIC"  # "host:port": the launcher's store (behind the job's guard)
 MEMBER_ENV = "PHALANX_MEMBER"  # this process's member id (0..n-1 at the start, then n, n+1, ... for replacements)
@@ -89,7 +89,7 @@ class Membership(Protocol):
 
     :class:`StoreMembership` keeps it through the launcher's store (gloo, nccl);
     :class:`phalanx._epochs_ulfm.UlfmMembership` through MPI itself (Open MPI 5's ULFM).
-    ``reform()``, ``fit(elastic=True)`` and every rebind use only this.
+    ``reform()`` and ``fit(elastic=True)`` use only this (what follows the new world: :mod:`._reconfigure`).
     """
 
     epoch: Epoch | None  # the current epoch, once :meth:`first` returned it
@@ -267,7 +267,6 @@ class StoreMembership:
 
 
 _MEMBERSHIP: Membership | None = None
-_REBINDS: list[Callable[[Epoch], None]] = []
 
 
 COMMAND_ENV = "PHALANX_RANK_COMMAND"  # ULFM: JSON, the command every rank runs (a replacement is spawned with it)
@@ -386,20 +385,6 @@ def recoverable(exc: BaseException) -> bool:
     if _MEMBERSHIP is None or isinstance(exc, QuorumLostError):
         return False
     return isinstance(exc, (RankFailedError, CollectiveTimeoutError, WorldBrokenError))
-
-
-def rebinds() -> list[Callable[[Epoch], None]]:
-    """The :func:`on_reform` callbacks, in the order they were registered."""
-    return list(_REBINDS)
-
-
-def on_reform(callback: Callable[[Epoch], None], *, cancel: bool = False) -> None:
-    """Call ``callback(epoch)`` after each re-formation, in the new world (the contract through which
-    engines, samplers and the user's own objects rebind); ``cancel=True`` takes it back."""
-    if cancel:
-        _REBINDS.remove(callback)
-    elif callback not in _REBINDS:
-        _REBINDS.append(callback)
 
 
 def describe_loss(exc: BaseException) -> str:

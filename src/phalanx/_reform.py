@@ -6,8 +6,8 @@ import atexit
 
 import numpy as np
 
-from . import _epochs, _world
-from ._epochs import Epoch, rebinds, required
+from . import _epochs, _reconfigure, _world
+from ._epochs import Epoch, required
 from ._errors import RankFailedError, RendezvousError
 
 __all__ = ["reform", "reformed", "replacement_waiting"]
@@ -39,10 +39,16 @@ def reform(reason: str | None = None) -> Epoch:
     :class:`CollectiveTimeoutError` (or when :func:`replacement_waiting` says a
     replacement waits). The old world is released (its handles and groups are
     refused from now on), the launcher decides the new members, and a new world
-    forms: ranks renumbered in their old order, replacements last. Then every
-    :func:`on_reform` callback runs. Nothing of the model or optimizer moves:
-    bring the state to the joined ranks yourself (``phalanx.synchronize`` or
-    ``phalanx.broadcast_object`` from a survivor), or let ``fit(elastic=True)`` do it.
+    forms: ranks renumbered in their old order, replacements last. Then everything
+    that follows the world is rebound to it, in the order it was registered
+    (:mod:`phalanx._reconfigure`): each ``DistributedOptimizer`` with ``shard=None``
+    over the whole world (a new gradient engine, collective), each
+    ``DistributedSampler`` made without ``rank=``/``size=``, the ``"phalanx"``
+    torch process group, Horovod's state, and every :func:`on_reform` callback.
+    A sharded optimizer does not follow: ``release()`` it before, wrap it again
+    after. Nothing of the model or optimizer state moves: bring it to the joined
+    ranks yourself (``phalanx.synchronize`` or ``phalanx.broadcast_object`` from a
+    survivor), or let ``fit(elastic=True)`` do it.
 
     ``reason`` (default: the old world's failure) is what the launcher reports as the cause.
 
@@ -67,8 +73,7 @@ def reform(reason: str | None = None) -> Epoch:
     except RendezvousError as exc:  # a member of the new epoch was lost while it formed: again
         raise RankFailedError(f"phalanx.reform: epoch {new_epoch.number} could not form ({exc}). Call "
                               "phalanx.reform() again (fit(elastic=True) does).") from None
-    for callback in rebinds():
-        callback(new_epoch)
+    _reconfigure.rebind_all(new_epoch)  # a peer lost meanwhile raises here: reform() again rebinds them all
     return new_epoch
 
 

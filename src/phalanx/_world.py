@@ -109,6 +109,11 @@ class World:
         # the same call again instead of raising (it may exchange more with the peers: all call it).
         self.retry_mismatch: Callable[[World, list[dict[str, Any]], bool], bool] | None = None
 
+    def set_retry_mismatch(self, rule: Callable[[World, list[dict[str, Any]], bool], bool] | None) -> None:
+        """Install a layer's ``rule`` for a mismatch (:attr:`retry_mismatch`: ``phalanx.horovod``'s majority
+        retry), or None to raise as usual; the next epoch's world keeps it (:meth:`supersede`)."""
+        self.retry_mismatch = rule
+
     def supersede(self, world: World) -> None:
         """Hand over to ``world``, the next epoch's (``phalanx.reform()`` made it): it keeps this world's
         ``retry_mismatch``, and this one's ``superseded`` names it (the abort hook follows that chain)."""

@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 import torch
 
+from .. import _reconfigure
+from .._epochs import Epoch
 from .._errors import InvalidArgumentError, UsageError
 from .._groups import Group, world_for
 from .._sync import synchronize
@@ -188,6 +190,8 @@ class DistributedOptimizer(EngineOwner, SharedWithWrapped, torch.optim.Optimizer
             self._sharding.adopt(optimizer)  # after the broadcast: the whole state, then this rank's part
             self._step_supports_amp_scaling = True  # GradScaler calls step() and tells it found_inf
         self._reduced_at_step = self._engine.reductions
+        if shard is None and group is None:
+            _reconfigure.register(self)  # it follows a re-formed world: phalanx.reform() calls rebind()
 
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
@@ -236,22 +240,21 @@ class DistributedOptimizer(EngineOwner, SharedWithWrapped, torch.optim.Optimizer
         self._broadcast(list(self.optimizer.param_groups[-1]["params"]))
         self._reduced_at_step = self._engine.reductions
 
-    def rebind(self, epoch: Any = None) -> None:
-        """Reduce over the current world from now on, after :func:`phalanx.reform` (the contract through
-        which engines follow a re-formed world; ``epoch`` is what :func:`phalanx.on_reform` passes).
-
-        Collective on the new world: a new gradient engine over the same parameters, its
-        structure agreed with every rank (a replacement's new DistributedOptimizer made with
-        ``broadcast_parameters=False`` agrees with it). The wrapped optimizer's state is kept;
-        the gradients are dropped (the interrupted step is done again). UsageError for a
-        sharded optimizer or one over a group: neither can follow a changed world yet.
-        """
+    def rebind(self, epoch: Epoch | None = None) -> None:
+        """Reduce over the current world from now on: :func:`phalanx.reform` calls it (with the new
+        ``epoch``) for each optimizer with ``shard=None`` over the whole world; a call of your own then does
+        nothing. Collective: a new engine over the same parameters, agreed as a replacement's construction
+        agrees (``broadcast_parameters=False``); the optimizer's state is kept, the gradients dropped.
+        UsageError for a sharded or group optimizer (``reform()`` leaves it alone): its state is split by
+        the old world's ranks."""
         if self._shard is not None or self._group is not None:
-            raise UsageError(
-                f"phalanx.{_CALL}.rebind: a {'sharded' if self._shard else 'group'} optimizer cannot follow a "
-                "re-formed world: its state is split by the old world's ranks. Call release() and wrap the "
-                "optimizer again, then load its state from a checkpoint, or use shard=None over the whole world.")
+            raise UsageError(f"phalanx.{_CALL}.rebind: a {'sharded' if self._shard else 'group'} optimizer cannot "
+                             "follow a re-formed world: its state is split by the old world's ranks. Call release() "
+                             "before phalanx.reform(), wrap it again after and load its state from a checkpoint "
+                             "(fit(elastic=True) does), or use shard=None over the whole world.")
         old = self._engine
+        if not old.closed and old.world is world_for(None, _CALL):
+            return  # already reducing over the current world (reform() rebound it)
         old.close()
         for p in self._all_params():
             p.grad = None
@@ -395,6 +398,7 @@ class DistributedOptimizer(EngineOwner, SharedWithWrapped, torch.optim.Optimizer
         """Give the wrapped optimizer back as it was before wrapping (its whole parameters in its groups)
         and stop reducing; a sharded optimizer's state is dropped (its slices belong to this world's
         split). For a world that changed: wrap it again, then load its state. Local (no collective)."""
+        _reconfigure.unregister(self)
         self._engine.close()
         if self._sharding is not None:
             self._sharding.release(self.optimizer)
@@ -404,5 +408,6 @@ class DistributedOptimizer(EngineOwner, SharedWithWrapped, torch.optim.Optimizer
         return self.optimizer
 
     def close(self) -> None:
-        """Stop reducing gradients (removes the hooks); the wrapped optimizer is unchanged."""
+        """Stop reducing gradients (removes the hooks) and following re-formed worlds; the optimizer is unchanged."""
+        _reconfigure.unregister(self)
         self._engine.close()

@@ -42,7 +42,7 @@ def create(opts: Any, backend_options: Any) -> Any:
                 f"{_CALL}: torch numbers this process rank {opts.group_rank} of {opts.group_size}, phalanx's "
                 f"world rank {world.rank} of {world.size}. Let phalanx pick them: call "
                 "phalanx.torch.init_process_group(), or pass no rank/world_size under phalanx run.")
-        return PhalanxProcessGroup(world.rank, world.size, Binding(None))
+        return PhalanxProcessGroup(world.rank, world.size, Binding(None, world.rank, world.size))
     # a new_group or a DeviceMesh dimension: torch asks its members only, and the groups of one
     # dimension partition the world, so each rank names its own group of the partition
     group = split_group(ranks)

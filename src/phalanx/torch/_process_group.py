@@ -9,7 +9,7 @@ the per-call agreement (a different shape, dtype, op or root on one rank is
 a ``CollectiveMismatchError`` on every rank, before data moves), the bounded
 wait (``CollectiveTimeoutError`` naming the missing rank) and the job-ending
 abort hook. Nothing is copied from the world: each call resolves its world
-through :class:`Binding`, the one contract a re-formed world rebinds.
+through :class:`Binding`, which follows a re-formed world (``phalanx._reconfigure``).
 
 Every operation runs when it is called, in the caller's thread, and returns a
 completed ``Work`` (``async_op=True`` included: ``wait()`` and ``get_future()``
@@ -34,32 +34,13 @@ from .. import _p2p as p2p
 from .._errors import UnsupportedArgumentError
 from .._groups import Group
 from ..comm._base import Op
+from ._binding import Binding
 
 __all__ = ["Binding", "PhalanxProcessGroup"]
 
 NAME = "phalanx"
 _KINDS: Any = dist.ReduceOp.RedOpType  # what a ReduceOp is (SUM, AVG, ...): not in torch's stubs
 _Work: Any = dist._Work  # torch's stubs do not say it can be subclassed
-
-
-class Binding:
-    """What a :class:`PhalanxProcessGroup` runs on: a phalanx group, or None for the whole current world.
-
-    The one named contract between torch's view of the world and phalanx's:
-    the process group keeps a Binding, never a World, and asks it on each call.
-    A re-formed world rebinds by :meth:`rebind` (torch's rank and size are fixed
-    when torch makes a group, so a world of another size needs a new torch
-    process group: ``destroy_process_group`` and ``init_process_group``).
-    """
-
-    __slots__ = ("group",)
-
-    def __init__(self, group: Group | None) -> None:
-        self.group = group
-
-    def rebind(self, group: Group | None) -> None:
-        """Run every later call on ``group`` (None: the current world)."""
-        self.group = group
 
 
 _OPS: dict[int, Op] = {int(_KINDS.SUM): "sum", int(_KINDS.PRODUCT): "prod", int(_KINDS.MIN): "min",

@@ -22,8 +22,10 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from .. import _reconfigure
 from .._data import check_remainder, partition, resolve_rank_size
-from .._errors import InvalidArgumentError, UnsupportedArgumentError
+from .._epochs import Epoch
+from .._errors import InvalidArgumentError, UnsupportedArgumentError, UsageError
 from .._world import backend, initialized
 
 __all__ = ["DistributedSampler", "dataloader_context"]
@@ -58,7 +60,9 @@ class DistributedSampler(Sampler[int]):
             repeat from the start, every rank ceil(N/size) samples), ``"drop"``
             (floor(N/size) each) or ``"exact"`` (each sample once, sizes within
             one: for evaluation).
-        rank, size: this rank's part; default the current world's.
+        rank, size: this rank's part; default the current world's, which the
+            sampler then follows when :func:`phalanx.reform` re-forms it
+            (:meth:`rebind`).
 
     ``len()`` is the number of indices the next ``iter()`` yields.
     ``state_dict()``/``load_state_dict()`` save and restore the epoch, the seed
@@ -82,6 +86,23 @@ class DistributedSampler(Sampler[int]):
         self.epoch = 0
         self._start = 0  # where the next iter() begins (set by load_state_dict)
         self._yielded = 0  # indices handed out so far in this epoch
+        self._follows = rank is None and size is None  # the world's part: it follows a re-formed world
+        if self._follows:
+            _reconfigure.register(self)
+
+    def rebind(self, epoch: Epoch) -> None:
+        """Take this rank's part of the re-formed world ``epoch`` (:func:`phalanx.reform` calls it for a
+        sampler made without ``rank=``/``size=``): its rank and size. The epoch's order is kept; the next
+        ``iter()`` yields the new part of the current epoch from its start (a position within the old
+        split means other samples in the new one). Local. UsageError for a sampler given ``rank=`` or
+        ``size=``: make a new one for the new world."""
+        if not self._follows:
+            raise UsageError(
+                f"phalanx.torch.DistributedSampler.rebind: this sampler was made with rank={self.rank}, "
+                f"size={self.size} given, so it does not follow the re-formed world (rank {epoch.rank} of "
+                f"{epoch.size}). Make a new sampler for it, or leave rank= and size= out to follow the world.")
+        self.rank, self.size = epoch.rank, epoch.size
+        self._start = self._yielded = 0
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s order from the next ``iter()`` on. Setting the epoch a resumed

@@ -10,10 +10,14 @@ is cut off) during a step:
    reduced gradients (a rank that completed the step's last collective before
    the loss did apply it: then it holds the newer state, see 4);
 3. :func:`phalanx.reform` forms the next epoch with the survivors (and the
-   replacements waiting), then the DistributedOptimizer rebinds to it
+   replacements waiting) and rebinds what follows the world
+   (:mod:`phalanx._reconfigure`), the DistributedOptimizer among them
    (:meth:`~phalanx.torch.DistributedOptimizer.rebind`: a new engine over the
-   same parameters), and everything sized by the world (the per-rank share of
-   ``global_batch_size``, the sampler's offset, the policy) is made again;
+   same parameters); then :func:`rebind` makes everything of the run sized by
+   the world (the per-rank share of ``global_batch_size``, the sampler's
+   offset, the policy) again. A sharded optimizer does not follow: it is
+   released before ``reform()`` and wrapped again after (its slices belong to
+   the old world's split), and :func:`reload` brings its state back;
 4. :func:`resync`: the ranks agree which of them has applied the most steps
    (they differ by at most one: a step completes everywhere or nowhere, except
    for a loss after its last collective). When all have applied as many (the
@@ -35,26 +39,56 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from collections.abc import Sized
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from .. import _epochs, _reform
 from .._collectives import allgather
-from .._errors import InvalidArgumentError
+from .._epochs import Epoch
+from .._errors import InvalidArgumentError, UsageError
 from ._history import History
+from ._options import FitOptions
 from ._policy import FailurePolicy
+from ._progress import RunState
 from ._state_transfer import broadcast_state
 
-__all__ = ["GrowRequested", "check", "rebind", "recover", "resync", "train"]
+if TYPE_CHECKING:
+    from ..torch._bucket import GradientBuckets
+    from ..torch._optimizer import DistributedOptimizer
+
+__all__ = ["ElasticRun", "GrowRequested", "check", "rebind", "recover", "resync", "train"]
+
+
+class ElasticRun(RunState, Protocol):
+    """What fit's recovery reads and makes again of a run (``_run.Run`` is one)."""
+
+    size: int
+    k: int  # in-process replicas per rank
+    grow_now: bool  # the ranks agreed to admit a replacement before the next step
+    train_data: Sized
+    window: np.ndarray
+    policy: FailurePolicy
+    step_opt: torch.optim.Optimizer  # the optimizer fit steps: a DistributedOptimizer in a world with epochs
+    dist_opt: DistributedOptimizer | None  # the DistributedOptimizer fit made, if it made one
+    engine: GradientBuckets | None
+
+    def wrap(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``step_opt`` (and ``dist_opt``) a new DistributedOptimizer over ``optimizer``."""
+        ...
+
+    def _train(self, total: int) -> None: ...
+
+    def _checkpoint(self) -> None: ...
 
 
 class GrowRequested(Exception):
     """Internal: the ranks agreed to admit a waiting replacement at this step boundary."""
 
 
-def check(o: Any) -> None:
+def check(o: FitOptions) -> None:
     """Refuse what ``elastic=True`` cannot do yet (InvalidArgumentError naming the fix; nothing has run)."""
     if not o.elastic:
         return
@@ -76,7 +110,7 @@ def check(o: Any) -> None:
         raise InvalidArgumentError(f"phalanx.train.fit(elastic=True): {why}.")
 
 
-def start(run: Any) -> None:
+def start(run: ElasticRun) -> None:
     """At the start of an elastic run, on every rank of the world, a replacement's too (collective);
     a peer lost meanwhile is recovered from as in the loop."""
     _check_sizes(run)
@@ -91,7 +125,7 @@ def start(run: Any) -> None:
         _recover_until_done(run, exc)
 
 
-def _check_sizes(run: Any) -> None:
+def _check_sizes(run: ElasticRun) -> None:
     """Every world the job may shrink to (down to ``--min-ranks``) must split ``global_batch_size``:
     refused now, on every rank alike, rather than when a rank is lost."""
     from ._options import worker_batch
@@ -106,7 +140,7 @@ def _check_sizes(run: Any) -> None:
                 f"(--min-ranks {floor}), and {str(exc).split(': ', 1)[1]} Or raise --min-ranks.") from None
 
 
-def reload(run: Any) -> None:
+def reload(run: ElasticRun) -> None:
     """Sharded: every rank takes the newest checkpoint written at a step no later than the newest rank's
     (collective). None yet (a fresh start): rank 0's model, then a checkpoint of it, to come back to."""
     from .._collectives import allreduce
@@ -122,7 +156,7 @@ def reload(run: Any) -> None:
     run._checkpoint()
 
 
-def resync(run: Any) -> dict[str, Any]:
+def resync(run: ElasticRun) -> dict[str, Any]:
     """Every rank ends with the state of the rank that has applied the most steps (collective); returns
     ``{"bytes", "seconds", "root"}``: the state's size and how long this rank took to hold it."""
     started = time.monotonic()
@@ -143,7 +177,7 @@ def resync(run: Any) -> dict[str, Any]:
     return {"bytes": size, "seconds": time.monotonic() - started, "root": root}
 
 
-def _state(run: Any) -> dict[str, Any]:
+def _state(run: ElasticRun) -> dict[str, Any]:
     from ._rng import local_rng
 
     state = {
@@ -164,7 +198,7 @@ def _state(run: Any) -> dict[str, Any]:
     return state
 
 
-def _load(run: Any, state: dict[str, Any]) -> None:
+def _load(run: ElasticRun, state: dict[str, Any]) -> None:
     from ._rng import restore_rng
 
     run.model.load_state_dict(state["model"])
@@ -183,16 +217,16 @@ def _load(run: Any, state: dict[str, Any]) -> None:
     restore_rng(state["rng"], "a live peer's RNG state")
 
 
-def recover(run: Any, exc: BaseException) -> None:
+def recover(run: ElasticRun, exc: BaseException) -> None:
     """After a lost peer (``exc``) or to admit a replacement: re-form, rebind, resync (module notes)."""
     started = time.monotonic()
     run.grow_now = False
     run.step_opt.zero_grad(set_to_none=True)
     why = "admitting a replacement" if isinstance(exc, GrowRequested) else _epochs.describe_loss(exc)
     sharded = run.o.shard is not None
-    inner = run.dist_opt.release() if sharded else None  # its slices' state belongs to the old split
-    epoch = _reform.reform(why)
-    rebind(run, inner)
+    released = _optimizer(run).release() if sharded else None  # its slices' state belongs to the old split
+    epoch = _reform.reform(why)  # rebinds what follows the world: an unsharded DistributedOptimizer too
+    rebind(run, epoch, released)
     if sharded:
         reload(run)
     else:
@@ -202,9 +236,25 @@ def recover(run: Any, exc: BaseException) -> None:
                            "seconds": time.monotonic() - started, "cause": why})
 
 
-def rebind(run: Any, released: Any = None) -> None:
-    """Everything of ``run`` that depends on the world, made again for the current one (collective);
-    ``released``: the optimizer a sharded DistributedOptimizer gave back, wrapped again here."""
+def _optimizer(run: ElasticRun) -> DistributedOptimizer:
+    """The DistributedOptimizer ``run`` steps; UsageError when it steps another (nothing then follows
+    a re-formed world)."""
+    from ..torch import DistributedOptimizer
+
+    opt = run.step_opt
+    if not isinstance(opt, DistributedOptimizer):
+        raise UsageError(
+            f"phalanx.train.fit(elastic=True): the run steps a {type(opt).__name__}, which cannot follow a "
+            "re-formed world; pass the plain model and optimizer, and fit wraps them in a DistributedOptimizer.")
+    return opt
+
+
+def rebind(run: ElasticRun, epoch: Epoch, released: torch.optim.Optimizer | None = None) -> None:
+    """Everything of ``run`` that depends on the world, made again for ``epoch``'s, the current one
+    (collective). ``released``: the optimizer a sharded DistributedOptimizer gave back before
+    ``reform()``, wrapped again here (the recovery contract's path for what cannot follow in place);
+    else ``reform()`` has rebound the DistributedOptimizer, and its ``rebind`` here, through the same
+    contract, does nothing (or names why it cannot follow)."""
     from .. import _world
     from ._options import worker_batch
     from ._progress import Geometry
@@ -221,12 +271,13 @@ def rebind(run: Any, released: Any = None) -> None:
     if released is not None:
         run.wrap(released)
     else:
-        run.step_opt.rebind()
-    run.engine = run.step_opt.engine
-    run.engine.check_finite = True
+        _optimizer(run).rebind(epoch)
+    engine = _optimizer(run).engine
+    engine.check_finite = True
+    run.engine = engine
 
 
-def train(run: Any, total: int) -> None:
+def train(run: ElasticRun, total: int) -> None:
     """``run``'s step loop, re-formed in place after each lost peer or admitted replacement until it ends;
     anything else is raised as it is."""
     while True:
@@ -239,7 +290,7 @@ def train(run: Any, total: int) -> None:
             _recover_until_done(run, exc)
 
 
-def _recover_until_done(run: Any, exc: BaseException) -> None:
+def _recover_until_done(run: ElasticRun, exc: BaseException) -> None:
     """:func:`recover` from ``exc``, again while a peer is lost during it."""
     pending: BaseException | None = exc
     while pending is not None:

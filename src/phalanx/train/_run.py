@@ -16,7 +16,7 @@ import math
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,6 +41,10 @@ from ._policy import (
     is_oom,
 )
 from ._progress import Geometry, Progress
+
+if TYPE_CHECKING:
+    from ..torch._bucket import GradientBuckets
+    from ..torch._optimizer import DistributedOptimizer
 
 __all__ = ["Run"]
 
@@ -98,11 +102,11 @@ class Run:
         """The optimizer fit steps (the user's, or a DistributedOptimizer later), and replicas."""
         from ..torch import DataParallel, DistributedOptimizer
 
-        self.dist_opt: Any = None  # a DistributedOptimizer fit made (closed at the end)
+        self.dist_opt: DistributedOptimizer | None = None  # a DistributedOptimizer fit made (closed at the end)
         self.replicas: Any = None
         self.inner = optimizer.optimizer if isinstance(optimizer, DistributedOptimizer) else optimizer
         self.step_opt = optimizer
-        self.engine: Any = None  # the gradient engine: local finiteness, completion after a failed pass
+        self.engine: GradientBuckets | None = None  # the gradient engine: local finiteness, completion after a failed pass
         if self.o.replicas is not None:
             if isinstance(optimizer, DistributedOptimizer) or isinstance(self.model, DataParallel):
                 raise InvalidArgumentError(

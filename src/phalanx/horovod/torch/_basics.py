@@ -17,8 +17,9 @@ from typing import Any
 
 import phalanx
 
+from ..._epochs import Epoch
 from ..._errors import InvalidArgumentError
-from ..._world import current_or_none
+from ..._world import World, current_or_none
 from .._errors import HorovodNotInitializedError, HorovodUnsupportedError
 from ._process_sets import ProcessSet, add_process_set, forget_all, register_global
 from ._resync import majority_retries
@@ -48,7 +49,7 @@ def init(comm: Sequence[int] | Any = None, process_sets: Sequence[ProcessSet] | 
     """
     first = not phalanx.initialized()
     phalanx.init()
-    _world("init").retry_mismatch = majority_retries  # a rank's extra collective fails alone (_resync)
+    _world("init").set_retry_mismatch(majority_retries)  # a rank's extra collective fails alone (_resync)
     n = phalanx.size()
     if comm is not None and (not hasattr(comm, "__iter__") or sorted(comm) != list(range(n))):
         raise HorovodUnsupportedError(
@@ -76,21 +77,24 @@ def _topology(n: int) -> None:
     _cross.update(rank=peers.index(me), size=len(peers), homogeneous=bool(len(set(table[:, 1].tolist())) == 1))
 
 
-def _reformed(epoch: Any) -> None:
+def _reformed(epoch: Epoch) -> None:
     """After ``phalanx.reform()`` (hvd.elastic.run's reset in place): what ``hvd.init`` sets up, again
-    for the new world, in ``hvd.init``'s order (a replacement's own ``hvd.init`` makes the same calls)."""
+    for the new world, in ``hvd.init``'s order (a replacement's own ``hvd.init`` makes the same calls).
+    Registered at import, so it runs before the optimizers made since (each follows on its own, after)."""
     if not _cross:  # hvd.init() was never called in this process: nothing of Horovod's to rebind
         return
-    _world("init").retry_mismatch = majority_retries
+    _world("init").set_retry_mismatch(majority_retries)
     forget_all()
     _cross.clear()
     _topology(phalanx.size())
     register_global(phalanx.size())
-    for hook in _on_reform:
-        hook()
 
 
-_on_reform: list[Any] = []  # the other hvd modules' rebinding (the optimizers' engines), after _reformed's
+def followed() -> bool:
+    """Whether Horovod's state follows re-formed worlds: ``hvd.init()`` set it up in this process."""
+    return bool(_cross)
+
+
 phalanx.on_reform(_reformed)
 
 
@@ -108,7 +112,7 @@ def is_initialized() -> bool:
     return phalanx.initialized()
 
 
-def _world(what: str) -> Any:
+def _world(what: str) -> World:
     world = current_or_none()
     if world is None:
         raise HorovodNotInitializedError(what)

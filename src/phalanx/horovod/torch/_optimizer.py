@@ -26,12 +26,14 @@ import torch
 
 import phalanx
 
+from ... import _reconfigure
+from ..._epochs import Epoch
 from ..._errors import InvalidArgumentError, UnsupportedArgumentError
 from ...torch._bucket import GradientBuckets
 from ...torch._engine_contract import Engine
 from .._errors import GradientSyncOrderError
 from . import _sparse_grads
-from ._basics import _on_reform, _on_shutdown
+from ._basics import _on_shutdown, followed
 from ._compression import Compression, wire_compression
 from ._functions import group_of
 from ._ops import Adasum, Average, Sum
@@ -56,18 +58,6 @@ def _close_engines() -> None:
 _on_shutdown.append(_close_engines)
 
 
-def _rebind_engines() -> None:
-    """After a reset in place (``phalanx.reform``): every optimizer's engine made for the new world now,
-    where a replacement's optimizer makes its own (its structure agreement), before the state's sync."""
-    for opt in list(_live):
-        engine = opt.__dict__.get("_hvd_engine")
-        if engine is not None:
-            engine.close()
-        opt._hvd_engine, opt._hvd_stale = None, True
-        opt._hvd_current()
-
-
-_on_reform.append(_rebind_engines)
 _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
               "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
 _TOO_MANY = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
@@ -133,6 +123,18 @@ class _HorovodOptimizer(torch.optim.Optimizer):
         if self._hvd_group is None or self._hvd_group.member:
             self._hvd_engine = self._hvd_make_engine()
         _live.add(self)
+        _reconfigure.register(self)  # after hvd's own state (registered at import): rebind() follows it
+
+    def rebind(self, epoch: Epoch) -> None:
+        """After a reset in place (``phalanx.reform`` calls it): this optimizer's engine made for the new world
+        now, where a replacement's optimizer makes its own (its structure agreement), before the state's sync."""
+        if not followed():  # hvd.init() was not called in this process: nothing of Horovod's to rebind
+            return
+        engine = self.__dict__.get("_hvd_engine")
+        if engine is not None:
+            engine.close()
+        self._hvd_engine, self._hvd_stale = None, True
+        self._hvd_current()
 
     def _hvd_current(self) -> _Buckets | None:
         """The engine; after hvd.shutdown() and a new hvd.init(), a new one for the new world."""
