@@ -12,7 +12,7 @@ import numpy as np
 
 from .._errors import InvalidArgumentError
 
-__all__ = ["LocalBackend"]
+__all__ = ["Done", "LocalBackend"]
 
 
 def _copy(x: Any) -> Any:
@@ -23,7 +23,7 @@ def _stacked(x: Any) -> Any:
     return _copy(x)[None]
 
 
-class _Done:
+class Done:
     """A request that completed when it was made."""
 
     __slots__ = ("_result",)
@@ -55,8 +55,8 @@ class LocalBackend:
     def agree(self, signature: int, timeout: float) -> bool:
         return True
 
-    def iagree(self, signature: int) -> _Done:
-        return _Done(True)
+    def iagree(self, signature: int) -> Done:
+        return Done(True)
 
     def allgather_bytes(self, payload: bytes, timeout: float) -> list[bytes]:
         return [payload]
@@ -70,14 +70,14 @@ class LocalBackend:
     def allreduce(self, x: Any, op: str, inplace: bool, timeout: float) -> Any:
         return x if inplace else _copy(x)
 
-    def iallreduce(self, x: Any, op: str, inplace: bool) -> _Done:
-        return _Done(self.allreduce(x, op, inplace, 0.0))
+    def iallreduce(self, x: Any, op: str, inplace: bool) -> Done:
+        return Done(self.allreduce(x, op, inplace, 0.0))
 
     def broadcast(self, x: Any, root: int, inplace: bool, timeout: float) -> Any:
         return x if inplace else _copy(x)
 
-    def ibroadcast(self, x: Any, root: int, inplace: bool) -> _Done:
-        return _Done(self.broadcast(x, root, inplace, 0.0))
+    def ibroadcast(self, x: Any, root: int, inplace: bool) -> Done:
+        return Done(self.broadcast(x, root, inplace, 0.0))
 
     def reduce(self, x: Any, op: str, root: int, inplace: bool, timeout: float) -> Any:
         return x if inplace else _copy(x)
@@ -91,12 +91,12 @@ class LocalBackend:
     def reduce_scatter(self, x: Any, op: str, timeout: float) -> Any:
         return _copy(x)
 
-    def ireduce_scatter(self, x: Any, op: str) -> _Done:
-        return _Done(_copy(x))
+    def ireduce_scatter(self, x: Any, op: str) -> Done:
+        return Done(_copy(x))
 
-    def iallgather_into(self, x: Any, out: Any) -> _Done:
+    def iallgather_into(self, x: Any, out: Any) -> Done:
         out[:] = x
-        return _Done(out)
+        return Done(out)
 
     def alltoall(self, x: Any, timeout: float) -> Any:
         return _copy(x)
@@ -104,10 +104,10 @@ class LocalBackend:
     def barrier(self, timeout: float) -> None:
         return None
 
-    def isend(self, x: Any, dst: int, tag: int) -> _Done:
+    def isend(self, x: Any, dst: int, tag: int) -> Done:
         raise InvalidArgumentError(f"phalanx.isend: a world of one rank has no rank {dst} to send to.")
 
-    def irecv(self, x: Any, src: int, tag: int) -> _Done:
+    def irecv(self, x: Any, src: int, tag: int) -> Done:
         raise InvalidArgumentError(f"phalanx.irecv: a world of one rank has no rank {src} to receive from.")
 
     def subgroup(self, ranks: tuple[int, ...], serial: int, timeout: float,

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..comm._local import Done  # a request complete when made (a world of one)
 from ._common import backend_call
 from ._engine_contract import Request
 from ._shard_tensor import ShardedTensor, land_grad
@@ -35,7 +36,7 @@ from ._shard_tensor import ShardedTensor, land_grad
 if TYPE_CHECKING:
     from .._world import World
 
-__all__ = ["Comm", "Done", "finish", "land", "post_broadcast", "post_gather", "post_reduce_scatter"]
+__all__ = ["Comm", "finish", "land", "post_broadcast", "post_gather", "post_reduce_scatter"]
 
 
 @dataclass(frozen=True)
@@ -52,21 +53,6 @@ class Comm:
     @property
     def rank(self) -> int:
         return self.world.rank
-
-
-class Done:
-    """A request complete when made (a world of one): ``wait`` returns its result."""
-
-    __slots__ = ("result",)
-
-    def __init__(self, result: Any = None) -> None:
-        self.result = result
-
-    def test(self) -> bool:
-        return True
-
-    def wait(self, timeout: float) -> Any:
-        return self.result
 
 
 class _Pair:
