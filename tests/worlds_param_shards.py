@@ -131,8 +131,7 @@ def train(shard: str, accumulate: str, units: Any = "class", steps: int = 3, sca
             opt.step(), ref_opt.step()
         opt.zero_grad(), ref_opt.zero_grad()
         # every shard group at rest after the step: a unit freed, a bucket whole again
-        groups, rest = (dp._params.groups(), "free") if shard == "parameters" else (
-            dp.engine.shard_plan.groups if n > 1 else [], "whole")
+        groups, rest = dp.shard_groups(), "free" if shard == "parameters" else "whole"
         states = {g.name: g.state.value for g in groups}
         assert set(states.values()) <= {rest}, f"step {step}: shard groups not at rest ({rest}): {states}"
         if step == 0:  # a fine-tuning schedule: unfreeze the position embedding
@@ -228,11 +227,20 @@ def _(r: int, n: int) -> None:
     assert all(p.grad is not None for p in dp.parameters() if p.requires_grad)
 
 
-@PARAMS.behaviour("parameters-keep-their-shapes-and-hold-this-ranks-elements")
+@PARAMS.behaviour("parameters-keep-their-shapes-and-hold-this-ranks-elements-one-free-group-per-unit-no-engine-close-stops-reducing")
 def _(r: int, n: int) -> None:
     torch, pt, r, n = _setup()
     model, Block = gpt(torch, 3)
     dp = pt.DataParallel(model, shard="parameters", units=[Block])
+    groups = dp.shard_groups()
+    assert [g.name for g in groups][:2] == ["h.0", "h.1"] and {g.state.value for g in groups} == {"free"}, groups
+    assert dp.shards_parameters and dp.nonfinite is None and dp.nonfinite_ranks() == []
+    with raises(phalanx.UsageError, "DataParallel(shard='parameters').engine", match="shard='gradients'"):
+        dp.engine  # noqa: B018
+    dp.close()  # the units still gather to run; backward reduces nothing into the shards
+    x, y = tokens(torch, 0, 1)
+    loss_of(torch, dp, x, y).backward()
+    assert all(p.grad is None for p in dp.parameters()), "a closed wrapper reduced gradients"
     held = 0
     for name, p in dp.named_parameters():
         spec = pt.shard_of(p)

@@ -367,7 +367,7 @@ def double_wrapping() -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pt.DistributedOptimizer(torch.optim.SGD(dp.parameters(), lr=0.1))
-    assert any("takes over" in str(w.message) for w in caught) and dp._engine.closed
+    assert any("takes over" in str(w.message) for w in caught) and dp.engine.closed
 
 
 @ACROSS_RANKS.behaviour("different-models-are-the-same-mismatch-error-on-every-rank")

@@ -1,4 +1,5 @@
-"""What ``DistributedOptimizer`` and ``DataParallel`` share: their gradient engine and its non-finite policy.
+"""What ``DistributedOptimizer`` and ``DataParallel``'s bucket front (``_fronts.py``) share: their
+gradient engine and its non-finite policy.
 
 ::
 

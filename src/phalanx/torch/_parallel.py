@@ -14,27 +14,19 @@ backend, with the gradient engine of ``DistributedOptimizer`` (``_bucket.py``).
 from __future__ import annotations
 
 import contextlib
-import functools
-import weakref
 from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .._errors import InvalidArgumentError
 from .._groups import Group, world_for
-from .._objects import broadcast_object
-from .._sync import synchronize
 from ._bucket import GradientBuckets
-from ._common import Compression, GradientOp, backend_call, check_options, verify_same_structure
-from ._engine_owner import EngineOwner
+from ._common import Compression, GradientOp, backend_call, check_options
 from ._finite import NonFinitePolicy, check_policy
-from ._param_shards import ParamShards
-from ._shard_plan import check_elementwise
-from ._shard_state import full_state_dict
-from ._sharded import Sharding, check_shard
-from ._trainable import Trainable
+from ._fronts import BucketFront, Front, UnitFront
+from ._shard_group import ShardGroup
+from ._sharded import check_shard
 
 __all__ = ["DataParallel"]
 
@@ -61,7 +53,7 @@ class _BufferPack:
             self.groups.append((packed, items, views))
 
 
-class DataParallel(EngineOwner, torch.nn.Module):
+class DataParallel(torch.nn.Module):
     """``module``, with its gradients averaged across ranks while backward runs (torch's DDP, on any backend).
 
     ::
@@ -167,8 +159,6 @@ class DataParallel(EngineOwner, torch.nn.Module):
                  units: Any = None, reshard_after_forward: bool = True, param_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self._sharding: Sharding | None = None
-        self._params: ParamShards | None = None
         check_options(_CALL, op, bucket_cap_mb, compression)
         check_policy(_CALL, nonfinite)
         check_shard(_CALL, shard, compression, group)
@@ -176,73 +166,67 @@ class DataParallel(EngineOwner, torch.nn.Module):
         self.broadcast_buffers = bool(broadcast_buffers)
         self._world = world_for(group, _CALL)
         self._require_sync = True
+        self._front: Front
         if shard == "parameters":
-            self._init_parameters(module, op, nonfinite, group, units, reshard_after_forward, param_dtype,
-                                  reduce_dtype)
-            return
-        if param_dtype is not None or reduce_dtype is not None:
-            raise InvalidArgumentError(
-                f"phalanx.{_CALL}(param_dtype={param_dtype}, reduce_dtype={reduce_dtype}): mixed precision with "
-                f"float32 master weights shards the parameters; use shard='parameters' (got shard={shard!r}), "
-                "or compression='bf16' to reduce 16-bit gradients.")
-        if units is not None:
-            raise InvalidArgumentError(f"phalanx.{_CALL}(units=...): units are what shard='parameters' gathers "
-                                       f"together; with shard={shard!r} every parameter stays whole. Use "
-                                       "shard='parameters', or leave units out.")
-        named = list(module.named_parameters())
-        self._trainable = Trainable(named)
-        # The engine first: it checks that the ranks wrap the same parameters, naming the first difference.
-        self._engine = GradientBuckets([p for _, p in named], [n for n, _ in named], call=_CALL, op=op,
-                                       bucket_cap_mb=bucket_cap_mb, compression=compression, group=group,
-                                       pad=self._world.size if shard == "gradients" and self._world.size > 1
-                                       else None)
-        self.nonfinite = nonfinite
-        default = self._world.size > 1  # one rank has no peer to disagree with: its step costs nothing
-        self._engine.check_steps = default if check_steps is None else bool(check_steps)
-        self._engine.steps_by_reduction = False  # forward() counts the steps (step_label): a skipped backward shows
-        self._reduced_at_forward = -1  # the engine's reduction count at the last training forward
-        with torch.no_grad():
-            synchronize(module, root=0, group=group)  # rank 0's parameters and buffers
-        buffers = list(module.buffers())
-        self._pack = _BufferPack(buffers) if buffers and self._world.size > 1 else None
-        if shard is not None and self._world.size > 1:  # one rank has nothing to split
-            self._sharding = Sharding(self._engine, shard, _CALL, group)
-            for register, fn in ((register_optimizer_step_pre_hook, _before_step),
-                                 (register_optimizer_step_post_hook, _after_step)):
-                hook = register(functools.partial(fn, weakref.ref(self)))
-                weakref.finalize(self, hook.remove)
-
-    def _init_parameters(self, module: torch.nn.Module, op: GradientOp, nonfinite: Any, group: Group | None,
-                         units: Any, reshard_after_forward: bool, param_dtype: torch.dtype | None,
-                         reduce_dtype: torch.dtype | None) -> None:
-        """shard="parameters": every parameter sharded, gathered unit by unit (``_param_shards.py``)."""
-        if op != "avg" or nonfinite is not None:
-            raise InvalidArgumentError(
-                f"phalanx.{_CALL}(shard='parameters', op={op!r}, nonfinite={nonfinite!r}): sharded "
-                "parameters average their gradients (op='avg') and have no non-finite check yet. Leave op "
-                "and nonfinite out, or use shard='gradients'.")
-        named = list(module.named_parameters())
-        verify_same_structure(_CALL, [f"{n}: {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
-                                      for n, p in named], group=group)
-        self._engine = None  # type: ignore[assignment]
-        if any(p.is_meta for _, p in named):  # built on the meta device: materialized unit by unit
-            with torch.random.fork_rng(devices=[]):  # from rank 0's generator: the same values at every N
-                torch.set_rng_state(broadcast_object(torch.get_rng_state(), root=0, allow_pickle=True, group=group))
-                self._params = ParamShards(module, units, self._world, group, _CALL, reshard_after_forward,
-                                           param_dtype, reduce_dtype)
+            if op != "avg" or nonfinite is not None:
+                raise InvalidArgumentError(
+                    f"phalanx.{_CALL}(shard='parameters', op={op!r}, nonfinite={nonfinite!r}): sharded "
+                    "parameters average their gradients (op='avg') and have no non-finite check yet. Leave op "
+                    "and nonfinite out, or use shard='gradients'.")
+            self._front = UnitFront(module, self._world, group, _CALL, units=units,
+                                    reshard_after_forward=reshard_after_forward, param_dtype=param_dtype,
+                                    reduce_dtype=reduce_dtype)
         else:
-            with torch.no_grad():
-                synchronize(module, root=0, group=group)  # rank 0's parameters and buffers
-            self._params = ParamShards(module, units, self._world, group, _CALL, reshard_after_forward,
-                                       param_dtype, reduce_dtype)
+            if param_dtype is not None or reduce_dtype is not None:
+                raise InvalidArgumentError(
+                    f"phalanx.{_CALL}(param_dtype={param_dtype}, reduce_dtype={reduce_dtype}): mixed precision "
+                    f"with float32 master weights shards the parameters; use shard='parameters' (got "
+                    f"shard={shard!r}), or compression='bf16' to reduce 16-bit gradients.")
+            if units is not None:
+                raise InvalidArgumentError(f"phalanx.{_CALL}(units=...): units are what shard='parameters' gathers "
+                                           f"together; with shard={shard!r} every parameter stays whole. Use "
+                                           "shard='parameters', or leave units out.")
+            self._front = BucketFront(module, self._world, group, _CALL, op=op, bucket_cap_mb=bucket_cap_mb,
+                                      compression=compression, nonfinite=nonfinite, check_steps=check_steps,
+                                      shard=shard)
         buffers = list(module.buffers())
         self._pack = _BufferPack(buffers) if buffers and self._world.size > 1 else None
+
+    # -- what the front holds (_fronts.py) --------------------------------------------------------------
+    @property
+    def engine(self) -> GradientBuckets:
+        """The gradient engine reducing these gradients while backward runs, for code that changes how
+        gradients are reduced: a ``reducer`` (how each bucket is reduced) and hooks run at each backward
+        pass (``pass_hooks``), before each reduction (``reduction_hooks``) and after each bucket
+        (``bucket_hooks``); ``docs/design.md``, "Gradient reduction", has their order and contract. With
+        ``shard="parameters"`` there is none (UsageError): units are reduce-scattered as they finish."""
+        return self._front.engine
+
+    @property
+    def nonfinite(self) -> NonFinitePolicy | None:
+        """The non-finite gradient policy: None (no check), ``"raise"`` or ``"skip"``; settable."""
+        return self._front.nonfinite
+
+    @nonfinite.setter
+    def nonfinite(self, policy: NonFinitePolicy | None) -> None:
+        self._front.nonfinite = policy
+
+    def nonfinite_ranks(self) -> list[int]:
+        """The ranks whose own gradients held NaN/Inf in the last reduction ([] if none, or without
+        ``nonfinite``); the same list on every rank."""
+        return self._front.nonfinite_ranks()
 
     @property
     def shards_parameters(self) -> bool:
         """Whether every rank keeps only its part of the parameters (``shard="parameters"``): then the
         whole state exists on no rank, and checkpoints should be written with ``save_sharded``."""
-        return self._params is not None
+        return self._front.shards_parameters
+
+    def shard_groups(self) -> list[ShardGroup]:
+        """The shard groups, each with its :class:`~phalanx.torch._shard_group.GroupState`: one per
+        gradient bucket with ``"optimizer"``/``"gradients"`` (whole between steps), one per unit and dtype
+        with ``"parameters"`` (free between steps); none unsharded or in a world of one."""
+        return self._front.groups()
 
     @contextlib.contextmanager
     def full_parameters(self) -> Iterator[None]:
@@ -251,30 +235,20 @@ class DataParallel(EngineOwner, torch.nn.Module):
         each rank's own, uneven, part of a dataset. Gradients are not reduced in there. Without
         ``shard="parameters"`` the parameters are whole anyway and this does nothing (torch FSDP's
         ``summon_full_params``)."""
-        if self._params is None:
-            yield
-            return
-        with self._params.whole():
+        with self._front.whole():
             yield
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The module's state, ``module.``-prefixed; with shard="parameters" every parameter whole, under
         its own name and shape (collective: every rank calls it and gets the same tensors).
         ``load_state_dict`` takes such a whole state: each rank keeps its elements of every parameter."""
-        state = super().state_dict(*args, **kwargs)
-        return state if self._params is None else full_state_dict(state)
+        return self._front.whole_state(super().state_dict(*args, **kwargs))
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """The module's parameters; sharded, this rank's slice of each one the gradients of which are
         reduced (what the optimizer must update), under the parameter's name."""
-        named = super().named_parameters(prefix, recurse, remove_duplicate)
-        if self._sharding is None:
-            yield from named
-            return
-        slices = {id(p): s for p, s in zip(self._sharding.plan.params, self._sharding.shards, strict=True)}
-        for name, p in named:
-            yield name, slices.get(id(p), p)  # type: ignore[misc]  # a ShardedTensor is an nn.Parameter
+        return self._front.named(super().named_parameters(prefix, recurse, remove_duplicate))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over the reduced gradients, sharded or not: the total norm
@@ -285,15 +259,7 @@ class DataParallel(EngineOwner, torch.nn.Module):
         """``module(*args, **kwargs)``, after broadcasting rank 0's buffers in training mode."""
         if self.training and self.broadcast_buffers and self._pack is not None:
             self._sync_buffers(self._pack)
-        if self._params is not None:
-            self._params.sync = self._require_sync
-            return self._params.forward(self.module, *args, **kwargs)
-        self._check_trainable()
-        self._engine.sync = self._require_sync  # DDP decides at forward time, too
-        if self.training and torch.is_grad_enabled():
-            self._engine.step_label += 1  # the training step the next reduction belongs to
-            self._reduced_at_forward = self._engine.reductions
-        return self.module(*args, **kwargs)
+        return self._front.forward(self.module, self._require_sync, self.training, args, kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -308,23 +274,13 @@ class DataParallel(EngineOwner, torch.nn.Module):
     def reduce_gradients(self) -> None:
         """Reduce the current gradients now (collective): for passes that did not reduce in backward,
         e.g. after ``no_sync()`` when no synced backward follows."""
-        if self._params is not None:
-            self._params.reduce_pending()
-            return
-        if self._engine.reductions > self._reduced_at_forward:  # no forward of its own (a rank without
-            self._engine.step_label += 1  # a batch this step): it stands for that step's forward
-        self._engine.reduce()
+        self._front.reduce_pending()
 
     def close(self) -> None:
-        """Stop reducing gradients (removes the hooks); ``module`` is unchanged."""
-        if self._engine is not None:
-            self._engine.close()
-        self._sharding = None
-
-    def _check_trainable(self) -> None:
-        """UsageError when a parameter's requires_grad changed since wrapping (``_trainable.py``)."""
-        self._trainable.check(_CALL, "call `model.close()` and wrap `model.module` again after changing it "
-                              "(on every rank)")
+        """Stop reducing gradients (removes the hooks); ``module`` is unchanged. With
+        ``shard="parameters"`` the units still gather to run (the module holds only this rank's shards:
+        load ``state_dict()`` into an unwrapped copy for a plain module); backward reduces nothing."""
+        self._front.close()
 
     def _sync_buffers(self, pack: _BufferPack) -> None:
         world = self._world
@@ -337,23 +293,3 @@ class DataParallel(EngineOwner, torch.nn.Module):
                 if not root:
                     torch._foreach_copy_(buffers, views)
 
-
-def _before_step(ref: weakref.ref[DataParallel], optimizer: torch.optim.Optimizer, args: Any,
-                 kwargs: Any) -> None:
-    """Before any optimizer's step: one that updates a sharded DataParallel's slices must be element-wise."""
-    model = ref()
-    sharding = None if model is None else model._sharding
-    if sharding is not None and sharding.updates(optimizer):
-        check_elementwise(_CALL, optimizer, sharding.shard)
-
-
-def _after_step(ref: weakref.ref[DataParallel], optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """After any optimizer's step: if it updates a sharded DataParallel's slices, all-gather them (and
-    release the whole gradients: the next backward writes fresh ones)."""
-    model = ref()
-    sharding = None if model is None else model._sharding
-    if sharding is None or not sharding.updates(optimizer):
-        return
-    sharding.gather()
-    if sharding.shard == "optimizer":
-        sharding.zero_grad(set_to_none=True)
