@@ -33,8 +33,10 @@ Compression = Literal["bf16", "fp16", "powersgd"] | PowerSGD
 or in full precision (``None`` where a signature allows it)."""
 
 
-def verify_same_structure(call: str, entries: list[str], what: str = "parameter", group: Any = None) -> None:
-    """Raise the same CollectiveMismatchError on every rank unless every rank passed ``entries``.
+def verify_same_structure(call: str, entries: list[str], what: str = "parameter", group: Any = None,
+                          fix: str | None = None) -> None:
+    """Raise the same CollectiveMismatchError on every rank unless every rank passed ``entries``
+    (``fix``: what the error tells the user to do; default: build the same model on every rank).
 
     One small allreduce of a hash (:func:`phalanx._agreement.agree`); the
     descriptions are exchanged only when the hashes differ, to name the first
@@ -52,8 +54,8 @@ def verify_same_structure(call: str, entries: list[str], what: str = "parameter"
         f"phalanx.{call}: the ranks wrap different {what}s ({', '.join(str(len(x)) for x in lists)} "
         f"on ranks 0..{world.size - 1}), so their gradients cannot be reduced together; nothing was "
         f"sent. The first difference is {what} #{first}:\n{lines}\n"
-        "Every rank must build the same model (same layers, shapes, dtypes and requires_grad flags, "
-        "in the same order) before wrapping it, e.g. from the same config on every rank.")
+        + (fix or "Every rank must build the same model (same layers, shapes, dtypes and requires_grad "
+           "flags, in the same order) before wrapping it, e.g. from the same config on every rank."))
 
 
 def backend_call(world: World, call: str, fn: Callable[..., Any], *args: Any) -> Any:

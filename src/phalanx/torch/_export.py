@@ -26,6 +26,7 @@ import torch
 from .._collectives import barrier
 from .._errors import CheckpointError
 from .._files import write_atomically
+from ._shard_state import local_states
 from ._shard_tensor import ShardedTensor
 
 __all__ = ["export_safetensors", "load_safetensors"]
@@ -53,7 +54,8 @@ def export_safetensors(path: str | os.PathLike[str], model: torch.nn.Module) -> 
 
     inner = getattr(model, "module", None)
     plain = inner if isinstance(inner, torch.nn.Module) else model
-    state = plain.state_dict(keep_vars=True)
+    with local_states():  # this rank's shards: gathered one tensor at a time below
+        state = plain.state_dict(keep_vars=True)
     header: dict[str, Any] = {}
     at = 0
     for name, t in state.items():

@@ -39,10 +39,12 @@ from ._bucket import GradientBuckets
 from ._common import Compression, GradientOp, verify_same_structure
 from ._engine_owner import EngineOwner
 from ._finite import NonFinitePolicy
-from ._param_shards import ParamShards
+from ._param_shards import ParamShards, pick_units
+from ._repoint import optimizers_holding, repoint
 from ._shard_group import ShardGroup
 from ._shard_plan import check_elementwise
-from ._shard_state import full_state_dict
+from ._shard_state import full_state_dict, keep_whole_module, keep_whole_optimizer
+from ._shard_tensor import ShardedTensor
 from ._sharded import Sharding
 from ._trainable import Trainable
 
@@ -111,6 +113,9 @@ class BucketFront(EngineOwner):
                                  (register_optimizer_step_post_hook, _after_step)):
                 hook = register(functools.partial(fn, weakref.ref(self)))
                 weakref.finalize(self, hook.remove)
+            for optimizer in optimizers_holding(self.sharding.plan.params):  # made before wrapping
+                self.sharding.adopt(optimizer)
+                keep_whole_optimizer(optimizer)
 
     def forward(self, module: torch.nn.Module, sync: bool, training: bool, args: tuple[Any, ...],
                 kwargs: dict[str, Any]) -> Any:
@@ -165,7 +170,14 @@ class UnitFront:
         named = list(module.named_parameters())
         verify_same_structure(call, [f"{n}: {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
                                      for n, p in named], group=group)
-        if any(p.is_meta for _, p in named):  # built on the meta device: materialized unit by unit
+        verify_same_structure(call, [f"{n} ({type(m).__name__})" for n, m in pick_units(call, module, units)],
+                              what="unit", group=group,
+                              fix="Every rank must gather the same modules together: pass the same `units=` "
+                                  "on every rank (module classes, or a callable that picks the same modules).")
+        meta = any(p.is_meta for _, p in named)
+        before = [weakref.ref(p) for _, p in module.named_parameters(remove_duplicate=False)]
+        del named
+        if meta:  # built on the meta device: materialized unit by unit
             with torch.random.fork_rng(devices=[]):  # from rank 0's generator: the same values at every N
                 torch.set_rng_state(broadcast_object(torch.get_rng_state(), root=0, allow_pickle=True, group=group))
                 self.params = ParamShards(module, units, world, group, call, reshard_after_forward,
@@ -175,6 +187,25 @@ class UnitFront:
                 synchronize(module, root=0, group=group)  # rank 0's parameters and buffers
             self.params = ParamShards(module, units, world, group, call, reshard_after_forward,
                                       param_dtype, reduce_dtype)
+        self._adopted: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        keep_whole_module(module)  # its own state_dict() whole too: what torch.save(model.state_dict()) needs
+        after = [p for _, p in module.named_parameters(remove_duplicate=False) if isinstance(p, ShardedTensor)]
+        held = [(p, shard) for r, shard in zip(before, after, strict=True) if (p := r()) is not None]
+        if held:  # still referenced from outside the model: an optimizer made before wrapping?
+            moved = {id(p): shard for p, shard in held}
+            for optimizer in optimizers_holding([p for p, _ in held]):
+                repoint(optimizer, moved)
+                self.adopt(optimizer)
+        hook = register_optimizer_step_pre_hook(functools.partial(_adopt_before_step, weakref.ref(self)))
+        weakref.finalize(self, hook.remove)
+
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer updating these shards: its own state_dict() whole from now on (once)."""
+        if optimizer not in self._adopted and any(
+                isinstance(p, ShardedTensor) and p._spec.owner is self.params
+                for g in optimizer.param_groups for p in g["params"]):
+            self._adopted.add(optimizer)
+            keep_whole_optimizer(optimizer)
 
     @property
     def engine(self) -> GradientBuckets:
@@ -221,6 +252,14 @@ class UnitFront:
         self.closed = True  # the units still gather to run (the module holds only shards); nothing is reduced
 
 
+def _adopt_before_step(ref: weakref.ref[UnitFront], optimizer: torch.optim.Optimizer, args: Any,
+                       kwargs: Any) -> None:
+    """Before any optimizer's step: one made on a shard="parameters" model's shards keeps its state whole."""
+    front = ref()
+    if front is not None:
+        front.adopt(optimizer)
+
+
 def _before_step(ref: weakref.ref[BucketFront], optimizer: torch.optim.Optimizer, args: Any,
                  kwargs: Any) -> None:
     """Before any optimizer's step: one that updates a sharded DataParallel's slices must be element-wise."""
@@ -228,6 +267,7 @@ def _before_step(ref: weakref.ref[BucketFront], optimizer: torch.optim.Optimizer
     sharding = None if front is None else front.sharding
     if sharding is not None and sharding.updates(optimizer):
         check_elementwise(sharding.call, optimizer, sharding.shard)
+        keep_whole_optimizer(optimizer)  # its own state_dict() whole from now on (once)
 
 
 def _after_step(ref: weakref.ref[BucketFront], optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import torch
 
-from .._errors import InvalidArgumentError
+from .._errors import InvalidArgumentError, UsageError
 from .._groups import Group, world_for
 from ._bucket import GradientBuckets
 from ._common import Compression, GradientOp, backend_call, check_options
@@ -51,6 +51,13 @@ class _BufferPack:
             views = [packed[o:o + b.numel() * b.element_size()].view(b.dtype).view(b.shape)
                      for o, b in zip(offsets, items, strict=True)]
             self.groups.append((packed, items, views))
+
+
+class _Done:
+    """What ``unshard(async_op=True)`` returns: FSDP2's handle, already complete."""
+
+    def wait(self) -> None:
+        """Return at once: the gather is done."""
 
 
 class DataParallel(torch.nn.Module):
@@ -162,8 +169,14 @@ class DataParallel(torch.nn.Module):
         check_options(_CALL, op, bucket_cap_mb, compression)
         check_policy(_CALL, nonfinite)
         check_shard(_CALL, shard, compression, group)
+        if not isinstance(reshard_after_forward, bool):
+            raise InvalidArgumentError(
+                f"phalanx.{_CALL}(reshard_after_forward={reshard_after_forward!r}): True (free each unit after "
+                "its forward, gather it again for backward) or False (keep it until its backward). An int, in "
+                "FSDP2, reshards to a smaller group of ranks after forward; phalanx has no such group yet.")
         self.module = module
         self.broadcast_buffers = bool(broadcast_buffers)
+        self._unsharded: contextlib.ExitStack | None = None
         self._world = world_for(group, _CALL)
         self._require_sync = True
         self._front: Front
@@ -238,6 +251,31 @@ class DataParallel(torch.nn.Module):
         with self._front.whole():
             yield
 
+    # -- FSDP2's names ----------------------------------------------------------------------------------
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's switch for gradient accumulation: False makes backward accumulate without reducing
+        (what :meth:`no_sync` does inside its block) until it is set True again; the next synced backward
+        reduces everything accumulated. ``recurse`` is accepted for FSDP2's signature (one wrapper here)."""
+        self._require_sync = bool(requires_gradient_sync)
+
+    def unshard(self, async_op: bool = False) -> _Done | None:
+        """FSDP2's ``unshard()``: every unit gathered and kept whole until :meth:`reshard` (collective), as
+        inside :meth:`full_parameters`, for evaluation or generation. Gradients are not reduced while
+        unsharded, so a training forward (grad enabled, ``model.train()``) raises a UsageError there.
+        With ``async_op=True`` it returns a handle whose ``wait()`` returns at once (the gather is done).
+        Without ``shard="parameters"`` the parameters are whole anyway and this does nothing."""
+        if self._unsharded is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self._front.whole())
+            self._unsharded = stack
+        return _Done() if async_op else None
+
+    def reshard(self) -> None:
+        """FSDP2's ``reshard()``: free what :meth:`unshard` gathered (nothing if it was not called)."""
+        stack, self._unsharded = self._unsharded, None
+        if stack is not None:
+            stack.close()
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The module's state, ``module.``-prefixed; with shard="parameters" every parameter whole, under
         its own name and shape (collective: every rank calls it and gets the same tensors).
@@ -257,6 +295,11 @@ class DataParallel(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """``module(*args, **kwargs)``, after broadcasting rank 0's buffers in training mode."""
+        if self._unsharded is not None and self.training and torch.is_grad_enabled():
+            raise UsageError(
+                f"phalanx.{_CALL}: a training forward after model.unshard(): unsharded, the units' hooks stand "
+                "aside and backward would reduce nothing. Call `model.reshard()` before training, or run this "
+                "forward under `torch.no_grad()` or in `model.eval()`.")
         if self.training and self.broadcast_buffers and self._pack is not None:
             self._sync_buffers(self._pack)
         return self._front.forward(self.module, self._require_sync, self.training, args, kwargs)

@@ -115,6 +115,13 @@ class ShardedTensor(torch.Tensor):
         """The whole tensor, every rank's elements in place (collective: every rank of the owner calls it)."""
         return self._spec.owner.full_tensor(self)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise UsageError(
+            f"pickling (torch.save) {self!r}: a sharded tensor is one rank's part, tied to its world. Save "
+            "the wrapper's `model.state_dict()` and the optimizer's `optimizer.state_dict()` (whole tensors, "
+            "collective: call them on every rank, save on one), `t.full_tensor()`, or "
+            "`phalanx.torch.save_sharded(path, model, optimizer)` (each rank its own part).")
+
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         kwargs = kwargs or {}

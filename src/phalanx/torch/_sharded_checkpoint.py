@@ -42,6 +42,7 @@ from .._collectives import barrier, broadcast
 from .._errors import CheckpointError
 from .._files import fsync_directory, write_atomically
 from .._objects import allgather_object
+from ._shard_state import local_states
 from ._shard_tensor import ShardedTensor
 
 __all__ = ["load_sharded", "save_sharded"]
@@ -63,8 +64,9 @@ def _entries(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     """Every tensor of the state by key: ``model/<name>`` (the plain module's state-dict names, so wrapped
     and unwrapped models share checkpoints) and ``optim/<index>/<key>``; sharded ones as ShardedTensors."""
     out: dict[str, Any] = {}
-    for name, value in _plain(model).state_dict(keep_vars=True).items():
-        out[f"model/{name}"] = value
+    with local_states():  # this rank's shards, not whole tensors
+        for name, value in _plain(model).state_dict(keep_vars=True).items():
+            out[f"model/{name}"] = value
     if optimizer is not None:
         inner = _inner(optimizer)
         params = [p for g in inner.param_groups for p in g["params"]]
@@ -144,7 +146,8 @@ def save_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
     if r == 0:
         groups = None
         if optimizer is not None:
-            groups = _inner(optimizer).state_dict()["param_groups"]
+            with local_states():  # rank 0 alone: nothing gathered
+                groups = _inner(optimizer).state_dict()["param_groups"]
         manifest = {"format": FORMAT, "version": VERSION, "world_size": n, "tensors": layout,
                     "objects": {k: _jsonable(v) for k, v in objects.items()}, "param_groups": groups,
                     "digests": {_file(q): d for q, (d, _) in enumerate(digests)}}

@@ -130,7 +130,7 @@ class Run:
             if not isinstance(optimizer, DistributedOptimizer):
                 self.wrap(optimizer)
             self.engine = self.step_opt.engine
-        elif isinstance(self.model, DataParallel):
+        elif isinstance(self.model, DataParallel) and not self.model.shards_parameters:  # ZeRO-3 has none
             self.engine = self.model.engine
         self._engine_checked = self.engine is not None and self.engine.check_finite
         if self.engine is not None:
