@@ -179,6 +179,56 @@ def _(r: int, n: int) -> None:
     _same(torch, dp.module.state_dict(), ref.state_dict(), "training after reshard")
 
 
+def _checkpointed(torch: Any, seed: int, form: str, reentrant: bool) -> tuple[Any, Any]:
+    """The GPT (each block called once, as nanoGPT's) with activation checkpointing in one of torch's
+    three forms: inside each block's forward (its attention), around each block in the model's forward,
+    or each block wrapped by torch's ``checkpoint_wrapper``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    from torch.utils.checkpoint import checkpoint
+
+    from worlds_param_shards import D
+
+    model, Block = gpt(torch, seed)
+    if form == "inside":
+        for b in model.h:
+            def forward(x: Any, b: Any = b) -> Any:
+                def attention(x: Any) -> Any:
+                    q, k, v = b.attn(b.ln(x)).split(D, dim=-1)
+                    return b.proj(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+                x = x + checkpoint(attention, x, use_reentrant=reentrant)
+                return x + b.mlp(x)
+            b.forward = forward
+    elif form == "wrapper":
+        impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+        model.h = torch.nn.ModuleList([checkpoint_wrapper(b, checkpoint_impl=impl) for b in model.h])
+
+    def forward(idx: Any) -> Any:
+        x = model.wte(idx) + model.wpe(torch.arange(idx.shape[1]))
+        for b in model.h:
+            x = checkpoint(b, x, use_reentrant=reentrant) if form == "around" else b(x)
+        return model.lm_head(model.ln_f(x))
+    model.forward = forward
+    return model, Block
+
+
+@IDIOMS.behaviour("activation-checkpointing-inside-a-unit-around-a-unit-and-checkpoint-wrapper-reentrant-or-not-equal-one-process")
+def _(r: int, n: int) -> None:
+    torch, pt, r, n = _setup()
+    for form in ("inside", "around", "wrapper"):
+        for reentrant in (False, True):
+            model, Block = _checkpointed(torch, 41, form, reentrant)
+            ref, _ = _checkpointed(torch, 41, form, reentrant)
+            dp = pt.DataParallel(model, shard="parameters", units=[Block])
+            opt, ref_opt = adamw(torch, dp), adamw(torch, ref)
+            for step in range(2):
+                _step(torch, dp, opt, step, r, n)
+                _ref_step(torch, ref, ref_opt, step, n)
+                assert all(g.state.value == "free" for g in dp.shard_groups()), (form, reentrant, dp.shard_groups())
+            plain = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in ref.state_dict().items()}
+            got = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in dp.module.state_dict().items()}
+            _same(torch, got, plain, f"checkpoint {form}, use_reentrant={reentrant}")
+
+
 def zero3_idioms() -> dict[str, str | None]:
     """The world body: every behaviour, on every rank."""
     return IDIOMS.run(phalanx.rank(), phalanx.size())

@@ -218,7 +218,7 @@ class ParamShards(ShardOwner):
             flat.finish_gather()
             flat.follow_requires_grad()
         unit.install(whole=True)
-        if unit is not self.root:
+        if unit is not self.root and not _in_backward():  # (a recomputation has no next unit to prefetch)
             nxt = self._forward_order.step(unit)
             if nxt is not None and (nxt.generation != self.generation or not nxt.live):
                 self._start(nxt)  # prefetched: its gather runs while this unit computes
@@ -231,6 +231,9 @@ class ParamShards(ShardOwner):
         unit.expected, unit.fired = set(), set()
 
     def _post_forward(self, unit: _Unit, out: Any) -> None:
+        if _in_backward():  # activation checkpointing's recomputation: the unit's backward runs next
+            unit.expected |= {id(w) for f in unit.flats for w in f.wholes if w.requires_grad}
+            return  # kept whole and installed, freed when its gradients are in (_finish)
         unit.install(whole=False)
         backward = False
         if torch.is_grad_enabled():
@@ -266,6 +269,7 @@ class ParamShards(ShardOwner):
                 if not flat.live:  # freed after forward: regathered for backward
                     flat.start_gather()
                 flat.finish_gather()
+            unit.install(whole=True)  # a checkpointed part of its forward may be recomputed: whole there
             nxt = self._backward_order.step(unit)
             if nxt is not None and not nxt.live:
                 for flat in nxt.flats:  # prefetched: its gather runs while this unit's backward computes
@@ -327,6 +331,7 @@ class ParamShards(ShardOwner):
             flat.gather()
 
     def _free(self, unit: _Unit) -> None:
+        unit.install(whole=False)
         for flat in unit.flats:
             flat.free()
 
@@ -337,6 +342,11 @@ class ParamShards(ShardOwner):
     def shards(self) -> list[ShardedTensor]:
         """Every sharded parameter, in unit order."""
         return [s for u in self.all_units for f in u.flats for s in f.shards]
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass in this thread (a forward now is a recomputation)."""
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def _refuse_compiled(call: str, root: torch.nn.Module) -> None:
