@@ -177,6 +177,10 @@ def _(r: int, n: int) -> None:
     _step(torch, dp, opt, 8, r, n)
     _ref_step(torch, ref, ref_opt, 8, n)
     _same(torch, dp.module.state_dict(), ref.state_dict(), "training after reshard")
+    whole = pt.DataParallel(gpt(torch, 32)[0])  # unsharded: unshard() does nothing, training goes on
+    whole.unshard()
+    loss_of(torch, whole, x, y).backward()
+    whole.reshard()
 
 
 def _checkpointed(torch: Any, seed: int, form: str, reentrant: bool) -> tuple[Any, Any]:

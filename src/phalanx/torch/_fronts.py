@@ -7,7 +7,7 @@
     out = front.forward(module, sync, training, args, kwargs)   # one training or eval forward
     front.reduce_pending()                                      # reduce now what backward did not
     with front.whole(): ...                                     # every parameter whole inside
-    front.whole_state(state), front.named(named), front.groups(), front.close()
+    front.named(named), front.groups(), front.close()
 
 ``BucketFront`` (``shard=None``, ``"optimizer"``, ``"gradients"``) is the
 gradient engine (``_bucket.py``) with, when sharded, a :class:`Sharding` of
@@ -43,7 +43,7 @@ from ._param_shards import ParamShards, pick_units
 from ._repoint import optimizers_holding, repoint
 from ._shard_group import ShardGroup
 from ._shard_plan import check_elementwise
-from ._shard_state import full_state_dict, keep_whole_module, keep_whole_optimizer
+from ._shard_state import keep_whole_module, keep_whole_optimizer
 from ._shard_tensor import ShardedTensor
 from ._sharded import Sharding
 from ._trainable import Trainable
@@ -73,8 +73,6 @@ class Front(Protocol):
     def reduce_pending(self) -> None: ...
 
     def whole(self) -> contextlib.AbstractContextManager[None]: ...
-
-    def whole_state(self, state: dict[str, Any]) -> dict[str, Any]: ...
 
     def named(self, named: Iterator[tuple[str, torch.nn.Parameter]]) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
 
@@ -137,9 +135,6 @@ class BucketFront(EngineOwner):
     def whole(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()  # whole anyway
 
-    def whole_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        return state
-
     def named(self, named: Iterator[tuple[str, torch.nn.Parameter]]) -> Iterator[tuple[str, torch.nn.Parameter]]:
         if self.sharding is None:
             yield from named
@@ -177,18 +172,17 @@ class UnitFront:
         meta = any(p.is_meta for _, p in named)
         before = [weakref.ref(p) for _, p in module.named_parameters(remove_duplicate=False)]
         del named
-        if meta:  # built on the meta device: materialized unit by unit
-            with torch.random.fork_rng(devices=[]):  # from rank 0's generator: the same values at every N
+        with contextlib.ExitStack() as stack:
+            if meta:  # built on the meta device: materialized unit by unit, from rank 0's generator
+                stack.enter_context(torch.random.fork_rng(devices=[]))  # (the same values at every N)
                 torch.set_rng_state(broadcast_object(torch.get_rng_state(), root=0, allow_pickle=True, group=group))
-                self.params = ParamShards(module, units, world, group, call, reshard_after_forward,
-                                          param_dtype, reduce_dtype)
-        else:
-            with torch.no_grad():
-                synchronize(module, root=0, group=group)  # rank 0's parameters and buffers
+            else:
+                with torch.no_grad():
+                    synchronize(module, root=0, group=group)  # rank 0's parameters and buffers
             self.params = ParamShards(module, units, world, group, call, reshard_after_forward,
                                       param_dtype, reduce_dtype)
         self._adopted: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        keep_whole_module(module)  # its own state_dict() whole too: what torch.save(model.state_dict()) needs
+        keep_whole_module(module)  # state_dict() whole, the wrapper's (which calls it) and the module's own
         after = [p for _, p in module.named_parameters(remove_duplicate=False) if isinstance(p, ShardedTensor)]
         held = [(p, shard) for r, shard in zip(before, after, strict=True) if (p := r()) is not None]
         if held:  # still referenced from outside the model: an optimizer made before wrapping?
@@ -238,9 +232,6 @@ class UnitFront:
 
     def whole(self) -> contextlib.AbstractContextManager[None]:
         return self.params.whole()
-
-    def whole_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        return full_state_dict(state)
 
     def named(self, named: Iterator[tuple[str, torch.nn.Parameter]]) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return named  # the module's parameters are the shards already

@@ -264,7 +264,7 @@ class DataParallel(torch.nn.Module):
         unsharded, so a training forward (grad enabled, ``model.train()``) raises a UsageError there.
         With ``async_op=True`` it returns a handle whose ``wait()`` returns at once (the gather is done).
         Without ``shard="parameters"`` the parameters are whole anyway and this does nothing."""
-        if self._unsharded is None:
+        if self._unsharded is None and self.shards_parameters:
             stack = contextlib.ExitStack()
             stack.enter_context(self._front.whole())
             self._unsharded = stack
@@ -280,7 +280,7 @@ class DataParallel(torch.nn.Module):
         """The module's state, ``module.``-prefixed; with shard="parameters" every parameter whole, under
         its own name and shape (collective: every rank calls it and gets the same tensors).
         ``load_state_dict`` takes such a whole state: each rank keeps its elements of every parameter."""
-        return self._front.whole_state(super().state_dict(*args, **kwargs))
+        return super().state_dict(*args, **kwargs)  # whole: the module's own state_dict hook (_shard_state.py)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, torch.nn.Parameter]]:
