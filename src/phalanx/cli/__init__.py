@@ -7,6 +7,7 @@
     phalanx info [--json]                   # versions, backends, GPUs, MPI, settings
     phalanx demo                            # train on digits with 1 and 2 processes, compare
     phalanx bench ...                       # benchmarks
+    phalanx convert --to dcp SRC DST        # a save_sharded checkpoint to torch's DCP (--from dcp: back)
 
 Each command imports what it needs when it runs, so ``import phalanx.cli``
 stays as light as ``import phalanx``.
@@ -25,6 +26,7 @@ _COMMANDS = {
     "info": "show versions, backends, GPUs and MPI",
     "demo": "train a small network on 1 and 2 processes and compare (--smoke: collectives only)",
     "bench": "benchmark collectives against raw mpi4py/torch.distributed",
+    "convert": "convert a checkpoint between phalanx's sharded format and torch's DCP (--to dcp, --from dcp)",
 }
 
 
@@ -69,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             from ._demo import main as demo_main
 
             return demo_main(rest)
+        if command == "convert":
+            from ._convert import main as convert_main
+
+            return convert_main(rest)
         from ._bench import main as bench_main
 
         return bench_main(rest)

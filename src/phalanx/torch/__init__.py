@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
-# sharded training: its GradScaler, what a sharded parameter is, sharded checkpoints and the export
+# sharded training: its GradScaler, what a sharded parameter is, sharded checkpoints, their conversion to
+# and from torch's DCP, and the export
+from ._dcp import convert_checkpoint
 from ._export import export_safetensors, load_safetensors
 
 # gradient reduction (DistributedOptimizer, DataParallel)
@@ -45,6 +47,7 @@ __all__ = [
     "ShardedGradScaler",
     "ShardedTensor",
     "SyncBatchNorm",
+    "convert_checkpoint",
     "convert_sync_batchnorm",
     "export_safetensors",
     "init_process_group",

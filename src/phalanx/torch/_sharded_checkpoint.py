@@ -5,25 +5,36 @@
     phalanx.torch.save_sharded("ckpt/step-1000", model, optimizer)   # collective: every rank
     phalanx.torch.load_sharded("ckpt/step-1000", model, optimizer)   # at any N, any shard level
     phalanx.torch.export_safetensors("model.safetensors", model)      # one file, for one process
+    phalanx.torch.convert_checkpoint("ckpt/step-1000", "dcp/step-1000", to="dcp")   # torch's DCP, and back
 
 A checkpoint is a directory: ``rank-<r>.pt`` per rank (``torch.save`` of a
 dict of 1-D tensors: this rank's elements of every sharded parameter and
 optimizer-state entry; rank 0 also writes the tensors every rank holds
 whole) and ``manifest.json`` (rank 0): every tensor's shape, dtype and
 pieces (file, first and last element), the optimizer's non-tensor state,
-and the SHA-256 of every rank file. The save goes to a temporary directory
-beside the target, renamed into place by rank 0 only when every rank's file
-is on disk and the manifest is written: a crash mid-save leaves the
-previous checkpoint under ``path`` as it was. Loading checks the digest of
-each file it reads and takes from each piece the elements its new layout
-needs (the files are memory-mapped), so a checkpoint loads at another
-number of ranks and another ``shard`` level, or into an unwrapped model.
-The directory must be one that every rank can read and write (a shared
-filesystem across hosts).
+its param_groups and the model's name of each of its parameters, and the
+SHA-256 of every rank file. The save goes to a temporary directory
+``<path>.tmp-<token>`` beside the target, renamed into place by rank 0 only
+when every rank's file is on disk and the manifest is written: a crash
+mid-save leaves the previous checkpoint under ``path`` as it was. A save
+that fails (any exception on any rank: a write, the state of a module, the
+manifest) raises CheckpointError on every rank, naming the rank and the
+cause, after rank 0 has removed the temporary directory; what a killed job
+left (``<path>.tmp-<token>``, and ``<path>.old-<token>`` if it was killed
+mid-commit, which is then the previous checkpoint and is put back) is
+cleared by rank 0 when the next save to ``path`` starts
+(``_checkpoint_files``). Loading checks the digest of each file it reads and
+takes from each piece the elements its new layout needs (the files are
+memory-mapped), so a checkpoint loads at another number of ranks and
+another ``shard`` level, or into an unwrapped model. The directory must be
+one that every rank can read and write (a shared filesystem across hosts).
 
 The format is phalanx's own: torch's distributed checkpoint (DCP) needs a
 torch.distributed process group to plan and commit a save, which MPI worlds
-do not have; ``export_safetensors`` writes a file that any safetensors reader
+do not have. ``convert_checkpoint`` (``phalanx convert``; ``_dcp``) turns a
+checkpoint into a DCP one that ``torch.distributed.checkpoint.load`` reads
+into a plain model and optimizer, and a DCP one into this format, in one
+process; ``export_safetensors`` writes a file that any safetensors reader
 (``safetensors.torch.load_file``) or ``phalanx.torch.load_safetensors`` loads.
 """
 
@@ -32,16 +43,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from typing import Any
 
 import numpy as np
 import torch
 
-from .._collectives import barrier, broadcast
+from .._collectives import broadcast
 from .._errors import CheckpointError
-from .._files import fsync_directory, write_atomically
-from .._objects import allgather_object
+from .._files import write_atomically
+from .._objects import allgather_object, broadcast_object
+from ._checkpoint_files import clear_leftovers, commit, discard, staging
 from ._shard_state import local_states
 from ._shard_tensor import ShardedTensor
 
@@ -88,29 +99,16 @@ def _digest(path: str) -> str:
     return h.hexdigest()
 
 
-@torch.no_grad()
-def save_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None) -> str:
-    """Write ``model``'s (and ``optimizer``'s) state to the directory ``path``, each rank its own elements
-    (collective: every rank calls it with the same path); return the path.
+def _param_names(model: torch.nn.Module, inner: Any) -> list[str | None]:
+    """The plain module's name of each of the optimizer's parameters, in its order (the first name of
+    a tied one, as ``named_parameters`` gives it; None for one not in the model)."""
+    names = {id(p): name for name, p in _plain(model).named_parameters()}
+    return [names.get(id(p)) for g in inner.param_groups for p in g["params"]]
 
-    Arguments:
-        path: the checkpoint directory (replaced as a whole; its parent is created).
-        model: a :class:`DataParallel` (any ``shard``) or a plain module.
-        optimizer: the torch optimizer (or :class:`DistributedOptimizer`) made on the model's parameters,
-            or None.
 
-    Raises:
-        CheckpointError: a rank could not write its file (every rank raises; ``path`` is unchanged).
-    """
-    from .._world import rank, size
-
-    target = os.path.abspath(os.fspath(path))
-    r, n = rank(), size()
-    token = f"{int(broadcast(np.frombuffer(os.urandom(8), dtype=np.int64).copy(), root=0)[0]) & (2**48 - 1):012x}"
-    temp = f"{target}.tmp-{token}"
-    if r == 0:
-        os.makedirs(temp)
-    barrier()
+def _shards(model: torch.nn.Module, optimizer: Any, r: int) -> tuple[dict[str, torch.Tensor], dict[str, Any],
+                                                                     dict[str, Any]]:
+    """This rank's tensors to write, every tensor's layout, and the non-tensor values."""
     mine: dict[str, torch.Tensor] = {}
     layout: dict[str, Any] = {}
     objects: dict[str, Any] = {}
@@ -128,38 +126,96 @@ def save_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
                            "pieces": [[_file(0), 0, value.numel()]] if value.numel() else []}
         else:
             objects[key] = value
-    error = ""
-    try:
-        with write_atomically(os.path.join(temp, _file(r))) as f:
-            torch.save(mine, f)
-        digest = _digest(os.path.join(temp, _file(r)))
-    except OSError as exc:
-        error, digest = f"rank {r}: {exc}", ""
-    digests = allgather_object((digest, error), allow_pickle=True)
-    failed = [e for _, e in digests if e]
-    if failed:
-        if r == 0:
-            shutil.rmtree(temp, ignore_errors=True)
-        barrier()  # when it raises, nothing of this save is left
-        raise CheckpointError(f"phalanx.torch.save_sharded({target!r}): {'; '.join(failed)}. The previous "
-                              "checkpoint there, if any, is unchanged.")
+    return mine, layout, objects
+
+
+def _write(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    """``torch.save`` into a new file, on disk before it returns (no directory is made: a save whose
+    temporary directory was removed under it fails instead of bringing it back)."""
+    with open(path, "xb") as f:
+        torch.save(tensors, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@torch.no_grad()
+def save_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer: Any = None) -> str:
+    """Write ``model``'s (and ``optimizer``'s) state to the directory ``path``, each rank its own elements
+    (collective: every rank calls it with the same path); return the path.
+
+    Arguments:
+        path: the checkpoint directory (replaced as a whole; its parent is created). What a killed
+            save to it left beside it (``<path>.tmp-<token>``) is removed first.
+        model: a :class:`DataParallel` (any ``shard``) or a plain module.
+        optimizer: the torch optimizer (or :class:`DistributedOptimizer`) made on the model's parameters,
+            or None.
+
+    Returns:
+        The absolute path of the checkpoint directory.
+
+    Raises:
+        CheckpointError: a rank could not gather or write its part, or rank 0 the manifest (every rank
+            raises, naming the rank and the cause; ``path`` is unchanged and this save's temporary
+            directory is removed).
+
+    Example::
+
+        phalanx.torch.save_sharded("ckpt/step-1000", model, optimizer)   # on every rank
+    """
+    from .._world import rank, size
+
+    target = os.path.abspath(os.fspath(path))
+    call = f"phalanx.torch.save_sharded({target!r})"
+    r, n = rank(), size()
+    token = f"{int(broadcast(np.frombuffer(os.urandom(8), dtype=np.int64).copy(), root=0)[0]) & (2**48 - 1):012x}"
+    temp = staging(target, token)
+    problem = ""
     if r == 0:
-        groups = None
-        if optimizer is not None:
-            with local_states():  # rank 0 alone: nothing gathered
-                groups = _inner(optimizer).state_dict()["param_groups"]
-        manifest = {"format": FORMAT, "version": VERSION, "world_size": n, "tensors": layout,
-                    "objects": {k: _jsonable(v) for k, v in objects.items()}, "param_groups": groups,
-                    "digests": {_file(q): d for q, (d, _) in enumerate(digests)}}
-        with write_atomically(os.path.join(temp, MANIFEST), "w") as f:
-            json.dump(manifest, f)
-        old = f"{target}.old-{token}"
-        if os.path.exists(target):
-            os.replace(target, old)
-        os.replace(temp, target)  # the commit: from here `path` is the new checkpoint
-        fsync_directory(os.path.dirname(target))
-        shutil.rmtree(old, ignore_errors=True)
-    barrier()
+        try:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            clear_leftovers(target)
+            os.makedirs(temp)
+        except OSError as exc:
+            problem = f"rank 0 could not make {temp!r}: {exc}"
+    problem = broadcast_object(problem, allow_pickle=True)  # also: the directory exists before a rank writes
+    if problem:
+        raise CheckpointError(f"{call}: {problem}. Save to a directory every rank can write; the previous "
+                              "checkpoint there, if any, is unchanged.")
+    try:
+        mine, layout, objects = _shards(model, optimizer, r)
+        _write(os.path.join(temp, _file(r)), mine)
+        digest, error = _digest(os.path.join(temp, _file(r))), ""
+    except Exception as exc:  # every rank learns of it below, and raises alike
+        digest, error = "", f"rank {r}: {type(exc).__name__}: {exc}"
+    try:
+        digests = allgather_object((digest, error), allow_pickle=True)
+        failed = [e for _, e in digests if e]
+        if r == 0:
+            if not failed:
+                try:
+                    groups = names = None
+                    if optimizer is not None:
+                        with local_states():  # rank 0 alone: nothing gathered
+                            groups = _inner(optimizer).state_dict()["param_groups"]
+                        names = _param_names(model, _inner(optimizer))
+                    manifest = {"format": FORMAT, "version": VERSION, "world_size": n, "tensors": layout,
+                                "objects": {k: _jsonable(v) for k, v in objects.items()}, "param_groups": groups,
+                                "param_names": names, "digests": {_file(q): d for q, (d, _) in enumerate(digests)}}
+                    with write_atomically(os.path.join(temp, MANIFEST), "w") as f:
+                        json.dump(manifest, f)
+                    commit(temp, target, token)
+                except Exception as exc:
+                    failed = [f"rank 0 (the manifest and the commit): {type(exc).__name__}: {exc}"]
+            if failed:
+                discard(temp)
+        failed = broadcast_object(failed, allow_pickle=True)  # when it raises, nothing of this save is left
+    except BaseException:  # a collective that failed, an interrupt: rank 0 still removes what it made
+        if r == 0:
+            discard(temp)
+        raise
+    if failed:
+        raise CheckpointError(f"{call}: {'; '.join(failed)}. The previous checkpoint there, if any, is "
+                              "unchanged, and nothing of this save is left; fix the cause and save again.")
     return target
 
 
@@ -174,8 +230,9 @@ def _jsonable(value: Any) -> Any:
 class _Reader:
     """The rank files of one checkpoint, opened (memory-mapped) and digest-checked on first use."""
 
-    def __init__(self, directory: str, manifest: dict[str, Any]) -> None:
+    def __init__(self, directory: str, manifest: dict[str, Any], call: str | None = None) -> None:
         self.directory, self.manifest = directory, manifest
+        self.call = call or f"phalanx.torch.load_sharded({directory!r})"  # what the errors name
         self.files: dict[str, dict[str, torch.Tensor]] = {}
 
     def open(self, name: str) -> dict[str, torch.Tensor]:
@@ -184,7 +241,7 @@ class _Reader:
             want = self.manifest["digests"].get(name)
             if not os.path.exists(path) or _digest(path) != want:
                 raise CheckpointError(
-                    f"phalanx.torch.load_sharded({self.directory!r}): {name} is missing or damaged (its SHA-256 "
+                    f"{self.call}: {name} is missing or damaged (its SHA-256 "
                     "differs from the manifest's). Load an earlier checkpoint.")
             self.files[name] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         return self.files[name]
@@ -206,7 +263,7 @@ class _Reader:
         dtype = getattr(torch, entry["dtype"])
         out = torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
         if out.numel() != stop - start:
-            raise CheckpointError(f"phalanx.torch.load_sharded({self.directory!r}): {key} has no elements "
+            raise CheckpointError(f"{self.call}: {key} has no elements "
                                   f"[{start}, {stop}) in its pieces {entry['pieces']}; the manifest is damaged.")
         return out
 
@@ -224,6 +281,10 @@ def load_sharded(path: str | os.PathLike[str], model: torch.nn.Module, optimizer
     Raises:
         CheckpointError: no checkpoint there, a damaged file (named), or a name or shape that differs; on
             every rank (the files are checked before anything is loaded, so nothing is changed then).
+
+    Example::
+
+        phalanx.torch.load_sharded("ckpt/step-1000", model, optimizer)   # on every rank, at any N
     """
     directory = os.path.abspath(os.fspath(path))
     try:
