@@ -174,8 +174,6 @@ class DiLoCo:
         self._world = world_for(group, call)
         self._settings = {"sync_every": H, "fragments": F, "delay": tau, "mix": float(mix),
                           "compression": repr(self._quantize)}
-        if broadcast_parameters:
-            synchronize({"model": model, "inner_optimizer": inner_optimizer}, group=group)
         bounds = split_fragments([p.numel() for _, p in named], F)
         params = [p for _, p in named]
         self._slices: list[list[Slice]] = [build_slices(params[bounds[f]:bounds[f + 1]]) for f in range(F)]
@@ -189,7 +187,11 @@ class DiLoCo:
                                        "`lambda params: torch.optim.SGD(params, lr=0.7, momentum=0.9, "
                                        "nesterov=True)`.")
         self.outer_optimizer = made
-        self._agree(named)
+        self._agree(named)  # before anything moves: a rank with other settings must not take part
+        if broadcast_parameters:
+            synchronize({"model": model, "inner_optimizer": inner_optimizer}, group=group)
+            for s in self._all_slices():
+                s.flat.copy_(s.local())
         self._t = 0
         self._pending: _Exchange | None = None
         self._hook: Any = inner_optimizer.register_step_post_hook(self._after_inner_step)
