@@ -10,19 +10,19 @@
 
 from __future__ import annotations
 
-# sharded training: its GradScaler, what a sharded parameter is, sharded checkpoints and the export
-from ._export import export_safetensors, load_safetensors
-
 # training over slow links: DiLoCo, Streaming DiLoCo, LocalSGD and their outer-gradient compression
 from ._diloco import DiLoCo, LocalSGD
 
+# sharded training: its GradScaler, what a sharded parameter is, sharded checkpoints and the export
+from ._export import export_safetensors, load_safetensors
+
 # gradient reduction (DistributedOptimizer, DataParallel)
 from ._optimizer import DistributedOptimizer
+from ._outer_compress import Quantize
 from ._parallel import DataParallel
 
 # torch.distributed's "phalanx" backend
 from ._pg_setup import init_process_group
-from ._outer_compress import Quantize
 from ._powersgd import PowerSGD
 
 # in-process replicas (replicate, Replicas, withdevices)

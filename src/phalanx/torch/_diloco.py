@@ -164,7 +164,7 @@ class DiLoCo:
             raise InvalidArgumentError(f"phalanx.{call}(mix={mix!r}): give the weight of the new outer copy as "
                                        "a number in (0, 1], e.g. mix=1.0 (DiLoCo) or mix=0.5.")
         self._quantize: Quantize | None = outer_compression(call, compression)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if len(named) < F:
             raise InvalidArgumentError(f"phalanx.{call}(fragments={F}): the model has {len(named)} trainable "
                                        f"parameters, fewer than fragments; use fragments <= {max(len(named), 1)}.")
@@ -347,7 +347,7 @@ class DiLoCo:
         saved = state.get("settings") if isinstance(state, dict) else None
         outer = state.get("outer") if isinstance(state, dict) else None
         if saved != self._settings or not isinstance(outer, list) or len(outer) != len(slices) \
-                or any(o.shape != s.flat.shape or o.dtype != s.flat.dtype for o, s in zip(outer, slices)):
+                or any(o.shape != s.flat.shape or o.dtype != s.flat.dtype for o, s in zip(outer, slices, strict=True)):
             raise InvalidArgumentError(
                 f"phalanx.{self._call}.load_state_dict: the state was saved by a DiLoCo with settings {saved} "
                 f"(or another model), this one has {self._settings}; make it with the same sync_every, "
@@ -370,20 +370,27 @@ class LocalSGD(DiLoCo):
         local = phalanx.torch.LocalSGD(model, inner, sync_every=8)   # train with inner.step() as usual
 
     After every ``sync_every``-th inner step each rank's parameters become the
-    mean of the ranks' parameters (``outer − mean(outer − local)``); between
-    them nothing is exchanged. Everything else is as for :class:`DiLoCo`.
+    mean of the ranks' parameters (``outer − mean(outer − local)``, the outer
+    copy kept on the CPU); between them nothing is exchanged and each rank steps
+    its own inner optimizer on its own gradients. Every rank must take the same
+    number of inner steps. ``state_dict()``/``load_state_dict()`` save and restore
+    the outer copy and the inner step count, ``close()`` (or leaving a ``with``
+    block) stops following the inner optimizer.
 
     Arguments:
-        model: the ``torch.nn.Module`` each rank trains.
+        model: the ``torch.nn.Module`` each rank trains (not a ``DataParallel``).
         inner_optimizer: the plain torch optimizer each rank steps on its own.
         sync_every: inner steps between two averagings (>= 1).
-        compression: as for DiLoCo: None, ``"bf16"``, ``"fp16"``, ``"int8"``,
-            ``"int4"`` or a :class:`Quantize`.
+        compression: None (full precision), ``"bf16"``, ``"fp16"``, ``"int8"``,
+            ``"int4"`` or a :class:`Quantize` (with error feedback): the changes are
+            all-gathered compressed and added in rank order, the same bits on every rank.
         group: a :class:`phalanx.Group` of the workers; None is the whole world.
         broadcast_parameters: start from rank 0's parameters (default True).
 
     Raises:
-        InvalidArgumentError, UsageError, CollectiveMismatchError: as DiLoCo.
+        InvalidArgumentError: a bad ``sync_every`` or ``compression``.
+        UsageError: a ``DataParallel`` model or a ``DistributedOptimizer``.
+        CollectiveMismatchError: the ranks passed different settings or models.
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, sync_every: int,

@@ -16,6 +16,8 @@ outer gradient is one flat tensor and travels as one message.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 __all__ = ["Slice", "build_slices", "outer_dtype", "split_fragments"]
@@ -89,7 +91,7 @@ class Slice:
                 p.copy_(mix * v + (1.0 - mix) * p.detach().to("cpu", self.dtype))
 
 
-def build_slices(params: list[torch.Tensor]) -> list[Slice]:
+def build_slices(params: Sequence[torch.Tensor]) -> list[Slice]:
     """One :class:`Slice` per outer dtype among ``params`` (in the order the dtypes first appear)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
