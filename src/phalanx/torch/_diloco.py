@@ -228,8 +228,8 @@ class DiLoCo:
                                        "params -> torch.optim.Optimizer.")
         if group is not None and not isinstance(group, Group):
             raise UnsupportedArgumentError(
-                f"phalanx.{call}(group={group!r}): pass a phalanx.Group (phalanx.new_group(ranks) or "
-                "phalanx.split_group(ranks)) whose members are the workers, or None for the whole world. "
+                f"phalanx.{call}(group={group!r}): pass a phalanx.Group (phalanx.new_group(ranks)) "
+                "whose members are the workers, or None for the whole world. "
                 "Hierarchical DiLoCo (data parallel inside a group, DiLoCo between groups) is not available yet.")
 
     def _all_slices(self) -> list[Slice]:
