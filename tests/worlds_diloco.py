@@ -271,6 +271,24 @@ def _(r: int, n: int) -> None:
     _compressed(r, n, q, "int4")
 
 
+@DILOCO.behaviour("diloco-within-a-group-runs-among-its-members-only-and-equals-one-process")
+def _(r: int, n: int) -> None:
+    torch, pt, r, n = _setup()
+    members = list(range(0, n, 2))  # [0] on 1 and 2 ranks, [0, 2] on 3
+    group = phalanx.new_group(members)
+    if group.member:
+        ref = Reference(torch, group.size, 13, lambda torch, m: _adamw(torch, m), _nesterov(torch), 2)
+        model = mlp(torch, 13 + r)
+        inner = _adamw(torch, model)
+        diloco = pt.DiLoCo(model, inner, sync_every=2, group=group)
+        for _ in range(4):
+            _train_step(torch, model, inner, ref.t + 1, group.rank)
+            ref.step()
+            _same(torch, model, ref, group.rank, f"DiLoCo in group {members}")
+        diloco.close()
+    phalanx.destroy_group(group)
+
+
 @DILOCO.behaviour("outer-copy-lives-on-the-cpu-float64-stays-float64-float32-stays-float32")
 def _(r: int, n: int) -> None:
     torch, pt, r, n = _setup()
@@ -310,6 +328,8 @@ def _(r: int, n: int) -> None:
         pt.DiLoCo(wrapped, dopt, sync_every=2)
     first = pt.DiLoCo(model, inner, sync_every=2)
     saved = first.state_dict()
+    with raises(phalanx.UsageError, "a second DiLoCo on the same inner optimizer was accepted", match="close"):
+        pt.DiLoCo(model, inner, sync_every=2)
     first.close()
     other = pt.DiLoCo(model, inner, sync_every=3)
     with raises(phalanx.InvalidArgumentError, "a state of another sync_every was loaded", match="same sync_every"):
@@ -323,7 +343,7 @@ def _(r: int, n: int) -> None:
     model = mlp(torch, 1)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     if n == 1:
-        pt.DiLoCo(model, inner, sync_every=3)  # nothing to disagree with
+        pt.DiLoCo(model, inner, sync_every=3).close()  # nothing to disagree with
         return
     with raises(phalanx.CollectiveMismatchError, "different sync_every was accepted", match="sync_every=4") as raised:
         pt.DiLoCo(model, inner, sync_every=4 if r == n - 1 else 3)

@@ -18,6 +18,7 @@ choose what: ``docs/slow-links.md``. The outer copy and its exchange live in
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,8 @@ from ._outer_compress import OuterCompression, Quantize, average, outer_compress
 __all__ = ["DiLoCo", "LocalSGD"]
 
 OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+_FOLLOWING: weakref.WeakKeyDictionary[torch.optim.Optimizer, str] = weakref.WeakKeyDictionary()
+"""The inner optimizers a DiLoCo follows (until its close()), and that DiLoCo's call name."""
 
 
 def _nesterov(params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -134,7 +137,8 @@ class DiLoCo:
             ``sync_every``, or more than the parameters), ``delay``, ``mix``,
             ``compression`` or ``outer_optimizer`` (each named with the fix).
         UsageError: a ready optimizer as ``outer_optimizer``, a ``DataParallel``
-            model or a ``DistributedOptimizer`` inner optimizer.
+            model, a ``DistributedOptimizer`` inner optimizer, or an inner optimizer
+            another DiLoCo still follows (``close()`` it first).
         UnsupportedArgumentError: a ``group`` that is not a :class:`phalanx.Group`.
         CollectiveMismatchError: the ranks made DiLoCo with different settings,
             outer optimizers or parameters (on every rank, naming the first one),
@@ -195,6 +199,7 @@ class DiLoCo:
         self._t = 0
         self._pending: _Exchange | None = None
         self._hook: Any = inner_optimizer.register_step_post_hook(self._after_inner_step)
+        _FOLLOWING[inner_optimizer] = call
 
     # -- construction -----------------------------------------------------------
 
@@ -216,6 +221,10 @@ class DiLoCo:
         if not isinstance(inner, torch.optim.Optimizer):
             raise InvalidArgumentError(f"phalanx.{call}(inner_optimizer={type(inner).__name__}): pass a torch "
                                        "optimizer over the model's parameters, e.g. torch.optim.AdamW(...).")
+        if isinstance(inner, torch.optim.Optimizer) and inner in _FOLLOWING:
+            raise UsageError(f"phalanx.{call}(inner_optimizer=...): a phalanx.{_FOLLOWING[inner]} already "
+                             "follows this optimizer's steps, and two would each take an outer step; call "
+                             "close() on that one first (or make this one over another optimizer).")
         if isinstance(outer, torch.optim.Optimizer):
             raise UsageError(
                 f"phalanx.{call}(outer_optimizer={type(outer).__name__}(...)): a ready optimizer steps the "
@@ -318,6 +327,7 @@ class DiLoCo:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+            _FOLLOWING.pop(self.inner_optimizer, None)
 
     def __enter__(self) -> DiLoCo:
         return self
