@@ -141,6 +141,8 @@ def _(r: int, n: int) -> None:
     torch, pt, r, n = _setup()
     model, diloco, ref = _run(torch, pt, r, n, 6, "DiLoCo H=3", sync_every=3)
     assert diloco.inner_steps == 6, diloco.inner_steps
+    everyone = phalanx.allgather(_flat(torch, model.parameters()))  # the allreduce's mean: the same bits too
+    assert all(torch.equal(everyone[j], everyone[0]) for j in range(n)), "the ranks' parameters differ in bits"
     outer = _flat(torch, diloco.outer_parameters())
     assert all(o.device.type == "cpu" and o.dtype == torch.float64 for o in diloco.outer_parameters())
     assert (outer - _flat(torch, ref.outer)).abs().max().item() <= EXACT, "the outer copy is not one process's"
