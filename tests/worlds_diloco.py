@@ -291,13 +291,25 @@ def _(r: int, n: int) -> None:
     phalanx.destroy_group(group)
 
 
-@DILOCO.behaviour("outer-copy-lives-on-the-cpu-float64-stays-float64-float32-stays-float32")
+@DILOCO.behaviour("outer-copy-lives-on-the-cpu-float64-stays-float64-float32-and-bf16-get-float32")
 def _(r: int, n: int) -> None:
     torch, pt, r, n = _setup()
     model = mlp(torch, 1).float()
     diloco = pt.LocalSGD(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=1)
     assert all(o.dtype == torch.float32 and o.device.type == "cpu" for o in diloco.outer_parameters())
     assert len(diloco.outer_parameters()) == len(list(model.parameters()))
+    diloco.close()
+    half = mlp(torch, 2)
+    half[0].to(torch.bfloat16)  # one bf16 layer, the rest float64: two outer dtypes in one fragment
+    half.forward = lambda x: half[1:](half[0](x.to(torch.bfloat16)).double())
+    inner = torch.optim.SGD(half.parameters(), lr=0.1)
+    diloco = pt.DiLoCo(half, inner, sync_every=2, compression="int8")
+    assert [o.dtype for o in diloco.outer_parameters()] == [torch.float32] * 2 + [torch.float64] * 4
+    for t in range(1, 5):
+        _train_step(torch, half, inner, t, r)
+    for p, o in zip(half.parameters(), diloco.outer_parameters(), strict=True):
+        assert torch.equal(p.detach(), o.to(p.dtype)), "after an outer step the parameters are the outer copy"
+    diloco.close()
 
 
 @DILOCO.behaviour("bad-arguments-raise-phalanx-errors-naming-the-argument-and-the-fix")
