@@ -95,7 +95,9 @@ class DiLoCo:
     steps: the exchange of step ``t`` carries ``t`` as its label, so a rank that
     skipped one raises CollectiveMismatchError on every rank instead of pairing
     wrongly. At construction every rank gets rank 0's parameters and inner
-    optimizer state (``broadcast_parameters=False`` keeps each rank's own).
+    optimizer state (``broadcast_parameters=False`` skips that, for ranks that
+    already hold the same parameters: the outer copy is taken from each rank's
+    own, and copies that differ would never agree).
 
     Arguments:
         model: the ``torch.nn.Module`` each rank trains (not wrapped in
@@ -124,7 +126,8 @@ class DiLoCo:
         group: a :class:`phalanx.Group`: the workers are its members; None
             (default) is the whole world.
         broadcast_parameters: start every rank from rank 0's parameters and inner
-            optimizer state (default True).
+            optimizer state (default True); False only where every rank already
+            holds the same parameters (e.g. loaded from one file).
 
     The outer copies and the outer optimizer's state live on the CPU (float64
     for float64 parameters, float32 otherwise): :meth:`outer_parameters`,
