@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+# training over slow links: DiLoCo, Streaming DiLoCo, LocalSGD and their outer-gradient compression
+from ._diloco import DiLoCo, LocalSGD
+
 # sharded training: its GradScaler, what a sharded parameter is, sharded checkpoints, their conversion to
 # and from torch's DCP, and the export
 from ._dcp import convert_checkpoint
@@ -17,6 +20,7 @@ from ._export import export_safetensors, load_safetensors
 
 # gradient reduction (DistributedOptimizer, DataParallel)
 from ._optimizer import DistributedOptimizer
+from ._outer_compress import Quantize
 from ._parallel import DataParallel
 
 # torch.distributed's "phalanx" backend
@@ -55,6 +59,10 @@ __all__ = [
     "load_sharded",
     "save_sharded",
     "shard_of",
+    # training over slow links
+    "DiLoCo",
+    "LocalSGD",
+    "Quantize",
     # in-process replicas
     "Replicas",
     "replicate",
