@@ -15,8 +15,11 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
+import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -194,18 +197,58 @@ def end_group(dist: Any, group: Any = None, release: list[Any] | None = None, *,
     known gone (a world re-forming in place): wait only for the group to be unregistered, not for
     its destructor, which would wait out gloo's timeout (the process goes on, the thread ends later).
     """
-    destroyed = threading.Event()
+    destroyed, freed = threading.Event(), threading.Event()
+    ending = _groups_ending(dist, group)
+    target = [group]  # no name of this frame or the thread's may hold the group (see _free_here)
+    del group
 
     def destroy() -> None:
         with contextlib.suppress(Exception):  # destroying after a failure may itself fail
-            dist.destroy_process_group(group)
+            dist.destroy_process_group(target.pop())
         destroyed.set()
         if release:
             release.clear()  # the group's destructor, if these were its last references, runs here
+        _free_here(ending, freed)
 
     thread = threading.Thread(target=destroy, name="phalanx-teardown", daemon=True)
     thread.start()
     if lost_peer:
         destroyed.wait(_TEARDOWN_S)
     else:
-        thread.join(_TEARDOWN_S)
+        freed.wait(_TEARDOWN_S)
+
+
+def _groups_ending(dist: Any, group: Any) -> list[Any]:
+    """The process groups that ``destroy_process_group(group)`` ends: ``group``, or (None) every one."""
+    if group is not None:
+        return [group]
+    c10d = getattr(dist, "distributed_c10d", None)
+    world = getattr(c10d, "_world", None)
+    pgs = list(getattr(world, "pg_map", {}) or {})
+    default = getattr(getattr(dist, "group", None), "WORLD", None)
+    return pgs or ([default] if default is not None else [])
+
+
+_OWN_REFS = 3  # while ``_free_here`` filters: its list, the comprehension's name, getrefcount's argument
+
+
+def _free_here(pgs: list[Any], freed: threading.Event) -> None:
+    """Free the ended groups ``pgs`` in this (teardown) thread, whoever else still refers to them.
+
+    A gloo group's destructor joins its threads, which after a lost peer wait out gloo's own timeout.
+    When a reference cycle holds a group, the cyclic collector frees it wherever it next runs: in the
+    training thread, inside an unrelated collective, which then stalls past the world's timeout (a
+    rank re-forming in place missed its check-in so). So the groups are held here, the collector is run
+    here, and each group is let go here once nothing else refers to it; a group still referred to is
+    held for as long as the process lives (this thread is a daemon: nothing is joined at exit).
+    ``freed`` is set after the first pass (the groups nothing else held have ended).
+    """
+    wait = 0.05
+    while pgs:
+        gc.collect()
+        pgs[:] = [pg for pg in pgs if sys.getrefcount(pg) > _OWN_REFS]  # the rest end here
+        freed.set()
+        if pgs:
+            time.sleep(wait)
+            wait = min(wait * 2, 30.0)
+    freed.set()
