@@ -10,12 +10,10 @@
 
 from __future__ import annotations
 
-# training over slow links: DiLoCo, Streaming DiLoCo, LocalSGD and their outer-gradient compression
-from ._diloco import DiLoCo, LocalSGD
-
-# sharded training: its GradScaler, what a sharded parameter is, sharded checkpoints, their conversion to
-# and from torch's DCP, and the export
+# sharded checkpoints' conversion to and from torch's DCP; training over slow links (DiLoCo, Streaming
+# DiLoCo, LocalSGD; Quantize below: their outer-gradient compression); the sharded export
 from ._dcp import convert_checkpoint
+from ._diloco import DiLoCo, LocalSGD
 from ._export import export_safetensors, load_safetensors
 
 # gradient reduction (DistributedOptimizer, DataParallel)
