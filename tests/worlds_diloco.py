@@ -351,6 +351,22 @@ def _(r: int, n: int) -> None:
     other.close()
 
 
+@DILOCO.behaviour("unfreezing-a-parameter-after-making-it-raises-usage-error-at-the-next-exchange-naming-it")
+def _(r: int, n: int) -> None:
+    torch, pt, r, n = _setup()
+    model = mlp(torch, 1)
+    frozen = next(iter(model.parameters()))
+    frozen.requires_grad_(False)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    diloco = pt.DiLoCo(model, inner, sync_every=2)
+    _train_step(torch, model, inner, 1, r)
+    frozen.requires_grad_(True)  # a freezing schedule: its outer copy was never made, nothing would average it
+    with raises(phalanx.UsageError, "an unfrozen parameter was left out of the exchange silently",
+                match=r"requires_grad changed.*now requires_grad=True.*DiLoCo again"):
+        _train_step(torch, model, inner, 2, r)
+    diloco.close()
+
+
 @DILOCO.behaviour("ranks-that-disagree-on-sync-every-raise-collective-mismatch-on-every-rank-naming-it")
 def _(r: int, n: int) -> None:
     torch, pt, r, n = _setup()

@@ -31,6 +31,7 @@ from .._nonblocking import Handle, iallreduce
 from .._sync import synchronize
 from ._diloco_layout import Slice, build_slices, split_fragments
 from ._outer_compress import OuterCompression, Quantize, average, outer_compression
+from ._trainable import Trainable
 
 __all__ = ["DiLoCo", "LocalSGD"]
 
@@ -171,6 +172,7 @@ class DiLoCo:
             raise InvalidArgumentError(f"phalanx.{call}(mix={mix!r}): give the weight of the new outer copy as "
                                        "a number in (0, 1], e.g. mix=1.0 (DiLoCo) or mix=0.5.")
         self._quantize: Quantize | None = outer_compression(call, compression)
+        self._trainable = Trainable(model.named_parameters())  # the outer copy holds those trainable now
         named: list[tuple[str, torch.Tensor]] = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if len(named) < F:
             raise InvalidArgumentError(f"phalanx.{call}(fragments={F}): the model has {len(named)} trainable "
@@ -297,6 +299,8 @@ class DiLoCo:
                 self._complete()
 
     def _start(self, fragment: int, t: int) -> None:
+        self._trainable.check(self._call, "make the DiLoCo again after the change (close() this one first); "
+                              "its outer copy holds the parameters trainable when it was made")
         slices = self._slices[fragment]
         deltas = [s.delta() for s in slices]
         if self._quantize is None:
